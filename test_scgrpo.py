@@ -1,0 +1,528 @@
+"""Tests for scgrpo.py. Each compares against a reference that could disagree: a naive loop,
+a PyTorch built-in, a hand-computed case, or an uninterrupted run. Offline, CPU only.
+
+    python -m pytest -q test_scgrpo.py
+"""
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import scgrpo as S
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SHARED = os.path.join(HERE, "..", "shared")
+
+
+def run(*args, timeout=300):
+    """Run scgrpo.py in a subprocess -> CompletedProcess (text)."""
+    return subprocess.run([sys.executable, os.path.join(HERE, "scgrpo.py"), *args], capture_output=True,
+                          text=True, timeout=timeout, cwd=HERE)
+
+
+def read_metrics(out):
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return S.make_tiny(0)
+
+# ----------------------------------------------------------------------------- verifier
+
+
+@pytest.mark.parametrize("text,want", [
+    ("so the total is \\boxed{42}.", "42"),
+    ("\\boxed{1} then later \\boxed{\\frac{7}{1}}", "7"),       # last box, nested braces
+    ("She pays $1,234.00 in all.\n#### 1,234", "1234"),
+    ("#### 5\n#### 6", "6"),                                     # #### repeated: the last wins
+    ("The answer is 17%.", "17"),
+    ("I think the Answer is -3.50.", "-3.5"),
+    ("first 3 apples, then 12 pears", "12"),                     # last number
+    ("\\boxed{12", "12"),                                       # unclosed box falls through
+    ("", None), ("no digits here", None), ("\\boxed{}", None),
+])
+def test_extract_answer(text, want):
+    assert S.extract_answer(text) == want
+
+
+@pytest.mark.parametrize("completion,gold,ok", [
+    ("\\boxed{18}", "Janet sells 9 eggs.\n#### 18", True),
+    ("\\boxed{18.00}", "18", True),
+    ("$1,000.", "#### 1000", True),
+    ("\\boxed{17}", "#### 18", False),
+    ("", "#### 18", False),
+    ("18", "no number", False),
+    ("1e309", "#### 1", False),
+])
+def test_verify(completion, gold, ok):
+    assert S.verify(completion, gold) is ok
+
+
+def test_verifier_is_fast_and_never_raises_on_adversarial_text():
+    rng = random.Random(0)
+    alphabet = "0123456789,.$%{}\\boxed####answer is -\u0663\u00e9\U0001F600 \n"
+    cases = ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 200))) for _ in range(10_000)]
+    cases += ["\\boxed{" * 5000, "1," * 50_000, "####" * 25_000, "9" * 100_000, "{" * 100_000 + "\\boxed{1"]
+    t0 = time.perf_counter()
+    for c in cases:
+        S.verify(c, "#### 1")
+    assert time.perf_counter() - t0 < 1.0
+
+# ----------------------------------------------------------------------------- advantages and routing
+
+
+def test_group_advantages_matches_naive_loop():
+    rewards = torch.tensor([[1., 0., 0., 1.], [0., 0., 0., 0.], [1., 1., 1., 0.], [.5, .2, .9, .1]])
+    got = S.group_advantages(rewards)
+    for b, row in enumerate(rewards.tolist()):
+        mean = sum(row) / len(row)
+        std = (sum((r - mean) ** 2 for r in row) / len(row)) ** 0.5
+        for i, r in enumerate(row):
+            assert got[b, i].item() == pytest.approx(0.0 if std == 0 else (r - mean) / std, abs=1e-6)
+    assert torch.isfinite(got).all() and (got[1] == 0).all()
+    torch.testing.assert_close(got.sum(1), torch.zeros(4), atol=1e-6, rtol=0)
+
+
+def test_route_groups_for_every_number_correct():
+    G = 6
+    rows = torch.tensor([[1.] * n + [0.] * (G - n) for n in range(G + 1)])
+    assert S.route_groups(rows, "scgrpo") == ["none", "fallback", "partial", "partial", "partial", "partial", "skip"]
+    assert S.route_groups(rows, "grpo") == ["skip"] + ["grpo"] * (G - 1) + ["skip"]
+    shaped = torch.tensor([[-0.5, -0.5, -0.5], [0.0, -0.5, 0.0], [1.0, 1.0, 1.0]])  # dapo: all-equal dropped
+    assert S.route_groups(shaped, "dapo") == ["skip", "grpo", "skip"]
+
+
+def test_references_are_verified_and_never_the_answer_itself():
+    rng = random.Random(0)
+    correct = [True, False, True, True, False, False, True, False]
+    seen = {i: set() for i in range(8)}
+    for _ in range(2000):
+        refs = S.pick_references(correct, "partial", rng)
+        for i, j in enumerate(refs):
+            assert j != i and correct[j]
+            seen[i].add(j)
+    assert seen[0] == {2, 3, 6} and seen[1] == {0, 2, 3, 6}  # uniform over C(x) \ {i}: every choice occurs
+    refs = S.pick_references([False] * 5, "none", rng)
+    r = refs.index(None)
+    assert refs.count(None) == 1 and all(j == r for j in refs if j is not None)
+    assert S.pick_references(correct, "fallback", rng) == [None] * 8
+
+
+def test_overlong_penalty_hand_computed():
+    got = S.overlong_penalty(torch.tensor([10, 12, 13, 14, 16]), max_len=16, buffer=4)
+    torch.testing.assert_close(got, torch.tensor([0.0, 0.0, -0.25, -0.5, -1.0]))
+
+
+def test_avg_and_pass_at_k_hand_computed():
+    correct = torch.tensor([[1, 0, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)
+    avg, pas = S.avg_and_pass_at_k(correct)
+    assert avg == pytest.approx(5 / 12) and pas == pytest.approx(2 / 3)
+
+# ----------------------------------------------------------------------------- KL and weights
+
+
+def kl_reference(t, s):
+    """KL(p_t || p_s) per row via the PyTorch built-in (input = log q, target = log p)."""
+    return F.kl_div(s.log_softmax(-1), t.log_softmax(-1), reduction="none", log_target=True).sum(-1)
+
+
+def test_token_kl_matches_kl_div_and_is_zero_for_identical():
+    g = torch.Generator().manual_seed(0)
+    t, s = torch.randn(3, 5, 50, generator=g) * 3, torch.randn(3, 5, 50, generator=g) * 3
+    torch.testing.assert_close(S.token_kl(t, s), kl_reference(t, s), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(S.token_kl(t, s, chunk=4), kl_reference(t, s), rtol=1e-5, atol=1e-6)
+    assert (S.token_kl(t, t) == 0).all()
+
+
+def test_token_kl_chunked_at_qwen_vocabulary():
+    g = torch.Generator().manual_seed(1)
+    V = 151_936
+    t, s = torch.randn(40, V, generator=g), torch.randn(40, V, generator=g)
+    torch.testing.assert_close(S.token_kl(t, s, chunk=16), kl_reference(t, s), rtol=1e-4, atol=1e-5)
+
+
+def test_sc_weights_hand_computed():
+    kl = torch.tensor([[0.0, 1.0, 2.0, 3.0, 100.0], [4.0, 5.0, 6.0, 7.0, 8.0]])
+    mask = torch.tensor([[True, True, True, True, False], [True, True, True, True, True]])
+    w, c = S.sc_weights(kl, mask, c_min=1e-4, q=0.75)
+    # active values 0..8 (9 of them): P75 by linear interpolation = 6.0
+    assert c == pytest.approx(6.0)
+    torch.testing.assert_close(w[0, :4], torch.tensor([0.0, 1 / 7, 2 / 8, 3 / 9]))
+    assert w[0, 4] == 0 and ((w >= 0) & (w < 1)).all()
+    w, c = S.sc_weights(torch.full((2, 3), 1e-6), torch.ones(2, 3, dtype=torch.bool), c_min=1e-4)
+    assert c == 1e-4 and w[0, 0].item() == pytest.approx(1e-6 / (1e-6 + 1e-4))  # the floor
+
+
+def test_diversity_advantage_hand_computed():
+    # G = 4, reference r = 1 (|o_r| = 2). L_i = min(|o_i|, 2).
+    weights = torch.tensor([[0.2, 0.4, 0.0], [0.0, 0.0, 0.0], [0.6, 0.0, 0.0], [0.1, 0.1, 0.0]])
+    lengths = torch.tensor([3, 2, 1, 3])
+    adv = S.diversity_advantages(weights, lengths, r=1, alpha=0.1, eps=1e-6)
+    s = torch.tensor([0.6 / 2, 0.6 / 1, 0.2 / 2])  # answers 0, 2, 3
+    want = 0.1 * (s - s.mean()) / (s.std(unbiased=False) + 1e-6)
+    torch.testing.assert_close(adv, torch.tensor([want[0], 0.0, want[1], want[2]]))
+
+# ----------------------------------------------------------------------------- loss
+
+
+def naive_grpo_loss(logp, old_logp, adv, lengths, n_seq, eps):
+    """The paper's GRPO objective written as plain loops (negated)."""
+    total = 0.0
+    for i in range(len(adv)):
+        for t in range(lengths[i]):
+            rho = torch.exp(logp[i, t] - old_logp[i, t])
+            total = total + torch.min(rho * adv[i], rho.clamp(1 - eps, 1 + eps) * adv[i]) / lengths[i]
+    return -total / n_seq
+
+
+def make_batch(seed=0, B=5, L=7):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, L + 1, (B,), generator=g)
+    mask = torch.arange(L)[None] < lengths[:, None]
+    logp = (-torch.rand(B, L, generator=g) * 3).requires_grad_()
+    old = logp.detach() + torch.randn(B, L, generator=g) * 0.3
+    adv = torch.randn(B, generator=g)
+    return logp, old, adv, lengths, mask
+
+
+def test_sc_loss_with_unit_weights_equals_grpo_and_gradients_match():
+    logp, old, adv, lengths, mask = make_batch()
+    n_seq = 8
+    scale = (1.0 / (n_seq * lengths.float()))[:, None].expand_as(logp)
+    loss, _ = S.policy_loss(logp, old, adv, torch.ones_like(logp), scale, mask, 0.2, 0.2)
+    (g1,) = torch.autograd.grad(loss, logp)
+    ref = naive_grpo_loss(logp, old, adv, lengths.tolist(), n_seq, 0.2)
+    (g2,) = torch.autograd.grad(ref, logp)
+    torch.testing.assert_close(loss, ref)
+    torch.testing.assert_close(g1, g2)
+
+
+def test_loss_gives_exactly_zero_gradient_to_padding():
+    logp, old, adv, lengths, mask = make_batch(seed=3)
+    with torch.no_grad():
+        old[~mask] = float("nan")  # garbage in padding must not leak
+    weights = torch.rand(logp.shape)
+    loss, _ = S.policy_loss(logp, old, adv, weights, torch.ones_like(logp), mask, 0.2, 0.28)
+    (grad,) = torch.autograd.grad(loss, logp)
+    assert torch.isfinite(loss) and (grad[~mask] == 0).all() and (grad[mask] != 0).any()
+
+
+def test_dapo_token_level_loss_is_independent_of_micro_batch_split():
+    logp, old, adv, lengths, mask = make_batch(seed=5, B=7)
+    total_tokens = int(mask.sum())
+    scale = torch.full(logp.shape, 1.0 / total_tokens)
+    w = torch.ones_like(logp)
+    naive = 0.0  # sum over all tokens / their count, as a loop
+    for i in range(7):
+        for t in range(int(lengths[i])):
+            rho = torch.exp(logp[i, t] - old[i, t])
+            naive = naive + torch.min(rho * adv[i], rho.clamp(0.8, 1.28) * adv[i])
+    naive = -naive / total_tokens
+    for split in ([7], [3, 4], [1, 5, 1], [2, 2, 2, 1]):
+        parts, start = [], 0
+        for n in split:
+            sl = slice(start, start + n)
+            parts.append(S.policy_loss(logp[sl], old[sl], adv[sl], w[sl], scale[sl], mask[sl], 0.2, 0.28)[0])
+            start += n
+        torch.testing.assert_close(sum(parts), naive)
+
+# ----------------------------------------------------------------------------- model paths
+
+
+def test_chunked_logprobs_equal_unchunked(tiny):
+    model, _ = tiny
+    head = model.get_output_embeddings()
+    g = torch.Generator().manual_seed(0)
+    h, targets = torch.randn(37, 64, generator=g), torch.randint(0, 15, (37,), generator=g)
+    want = F.log_softmax(head(h) / 0.7, -1).gather(-1, targets[:, None]).squeeze(-1)
+    torch.testing.assert_close(S.head_logprobs(head, h, targets, 0.7, chunk=5), want)
+    h.requires_grad_()  # the checkpointed path gives the same values and gradients
+    got = S.head_logprobs(head, h, targets, 0.7, chunk=5)
+    (g1,) = torch.autograd.grad(got.sum(), h)
+    (g2,) = torch.autograd.grad(F.log_softmax(head(h) / 0.7, -1).gather(-1, targets[:, None]).sum(), h)
+    torch.testing.assert_close(g1, g2)
+
+
+def test_left_padding_does_not_change_completion_logprobs(tiny):
+    model, tok = tiny
+    prompts = [tok("3+4=")["input_ids"], tok("1=9+8=")["input_ids"], tok("5=")["input_ids"]]
+    comps = [[9, 2], [3, 4, 5], [7]]
+    comp_ids = S.pad_rows([torch.tensor(c) for c in comps])
+    mask = S.pad_rows([torch.ones(len(c), dtype=torch.bool) for c in comps], False)
+    with torch.no_grad():
+        h = S.completion_hidden(model, prompts, comp_ids, mask)
+        got = S.head_logprobs(model.get_output_embeddings(), h, comp_ids[mask], 1.0, 4)
+        want = []
+        for p, c in zip(prompts, comps):  # each sequence alone, no padding, full logits
+            logits = model(torch.tensor([p + c])).logits[0, len(p) - 1:-1]
+            want.append(logits.log_softmax(-1).gather(-1, torch.tensor(c)[:, None]).squeeze(-1))
+    torch.testing.assert_close(got, torch.cat(want), rtol=1e-5, atol=1e-5)
+
+
+def test_sampler_mask_stops_at_first_eos_even_when_pad_equals_eos(tiny):
+    model, tok = tiny
+    assert tok.pad_token_id == tok.eos_token_id == 0
+    with torch.no_grad():  # make EOS likely so it appears inside answers
+        model.get_output_embeddings().weight[0] += 0.5 * model.get_output_embeddings().weight[2]
+    gen = torch.Generator().manual_seed(0)
+    prompts = [tok("3+4=")["input_ids"], tok("12+7=")["input_ids"]]
+    comp, mask, hidden = S.sample(model, prompts, 32, 8, 1.0, [0], 0, gen, keep_hidden=True)
+    assert comp.shape[0] == 64 and hidden.shape[:2] == comp.shape
+    n_inside = 0
+    for ids, m in zip(comp.tolist(), mask.tolist()):
+        first = ids.index(0) if 0 in ids[:sum(m)] else None
+        want_len = first + 1 if first is not None else len([x for x in m if x])
+        assert m == [True] * want_len + [False] * (len(m) - want_len)
+        n_inside += first is not None and first < len(ids) - 1
+    assert n_inside > 0
+    with torch.no_grad():
+        model.get_output_embeddings().weight[0] -= 0.5 * model.get_output_embeddings().weight[2]
+
+
+def test_sampler_hidden_states_give_the_full_forward_logprobs(tiny):
+    model, tok = tiny
+    gen = torch.Generator().manual_seed(1)
+    prompts = [tok("3+4=")["input_ids"], tok("19+7=")["input_ids"]]
+    comp, mask, hidden = S.sample(model, prompts, 3, 5, 1.0, [0], 0, gen, keep_hidden=True)
+    head = model.get_output_embeddings()
+    with torch.no_grad():
+        from_sampler = S.head_logprobs(head, hidden[mask], comp[mask], 1.0, 64)
+        full = S.head_logprobs(head, S.completion_hidden(model, [p for p in prompts for _ in range(3)], comp, mask),
+                               comp[mask], 1.0, 64)
+    torch.testing.assert_close(from_sampler, full, rtol=1e-4, atol=1e-5)
+
+
+def test_greedy_sampler_matches_generate(tiny):
+    model, tok = tiny
+    prompts = [tok("3+4=")["input_ids"], tok("12+7=1")["input_ids"], tok("8=")["input_ids"]]
+    comp, mask, _ = S.sample(model, prompts, 1, 6, 0.0, [0], 0, None)
+    ids, attn = S.left_pad(prompts, 0, "cpu")
+    out = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=6, do_sample=False,
+                         eos_token_id=0, pad_token_id=0)[:, ids.shape[1]:]
+    for row, (c, m) in enumerate(zip(comp, mask)):
+        n = int(m.sum())
+        assert c[:n].tolist() == out[row, :n].tolist()
+
+
+def test_inverse_cdf_sampler_matches_the_distribution():
+    logits = torch.log(torch.tensor([[0.1, 0.0, 0.6, 0.3]]).clamp_min(1e-30)).repeat(20_000, 1)
+    draws = S.sample_tokens(logits, 1.0, torch.Generator().manual_seed(0))
+    freq = torch.bincount(draws, minlength=4).float() / len(draws)
+    torch.testing.assert_close(freq, torch.tensor([0.1, 0.0, 0.6, 0.3]), atol=0.015, rtol=0)
+
+
+def test_teacher_prompt_holds_the_reference_and_student_prompt_does_not(tiny):
+    _, tok = tiny
+    student = tok.decode(S.encode_prompt(tok, "3+4="))
+    teacher = tok.decode(S.encode_prompt(tok, "3+4=", reference="7"))
+    assert student == "3+4=" and teacher == "7;3+4="
+    qwen = os.path.join(SHARED, "tokenizers", "qwen3")
+    if os.path.isdir(qwen):  # the real chat template, where the offline copy exists
+        from transformers import AutoTokenizer
+        qtok = AutoTokenizer.from_pretrained(qwen)
+        ref = "She has 9 eggs, so 9 * 2 = 18. \\boxed{18}"
+        s, t = qtok.decode(S.encode_prompt(qtok, "How much?")), qtok.decode(S.encode_prompt(qtok, "How much?", ref))
+        assert ref not in s and ref in t and S.SYSTEM_PROMPT in s and S.SYSTEM_PROMPT in t
+        assert t.index(ref) < t.index("How much?")  # reference in the system message, question after
+
+# ----------------------------------------------------------------------------- end to end
+
+
+def test_tiny_grpo_run_learns_and_saves_a_model(tmp_path):
+    out = str(tmp_path / "run")
+    r = run("--algo", "grpo", "--steps", "400", "--eval-every", "400", "--log-every", "100", "--out", out)
+    assert r.returncode == 0, r.stderr[-2000:]
+    m = read_metrics(out)
+    train = [x for x in m if "reward_mean" in x]
+    evals = [x for x in m if "eval_greedy_acc" in x]
+    assert len(train) == 400 and {"step", "reward_mean", "seconds"} <= set(train[0])
+    first, last = sum(x["reward_mean"] for x in train[:50]) / 50, sum(x["reward_mean"] for x in train[-50:]) / 50
+    assert last > first + 0.1, (first, last)
+    assert [e["step"] for e in evals] == [0, 400]
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    model = AutoModelForCausalLM.from_pretrained(os.path.join(out, "final"))
+    tok = AutoTokenizer.from_pretrained(os.path.join(out, "final"))
+    assert model.config.vocab_size == len(tok) and os.path.getsize(os.path.join(out, "samples.jsonl")) > 0
+
+
+def test_tiny_scgrpo_run_writes_sc_metrics_and_credit_page(tmp_path):
+    out = str(tmp_path / "run")
+    r = run("--algo", "scgrpo", "--steps", "300", "--eval-every", "300", "--eval-k", "4", "--out", out)
+    assert r.returncode == 0, r.stderr[-2000:]
+    m = read_metrics(out)
+    train = [x for x in m if "reward_mean" in x]
+    routed = [x for x in train if x["groups_partial"] + x["groups_none"] > 0]
+    assert len(routed) > len(train) // 2
+    for x in routed:
+        for k in ("kl_p50", "kl_p75", "kl_p95", "c", "weight_mean"):
+            assert isinstance(x[k], float) and x[k] == x[k] and abs(x[k]) < float("inf")
+        assert 0 <= x["weight_mean"] < 1 and x["kl_p50"] <= x["kl_p75"] <= x["kl_p95"]
+    assert {"eval_avg_at_k", "eval_pass_at_k"} <= set(m[-1])
+    page = open(os.path.join(out, "credit_300.html"), encoding="utf-8").read()
+    assert page.startswith("<!doctype html>") and "title=\"D = " in page and page.rstrip().endswith("</html>")
+
+
+def test_tiny_dapo_run_completes(tmp_path):
+    out = str(tmp_path / "run")
+    r = run("--algo", "dapo", "--steps", "30", "--eval-every", "30", "--eval-k", "0", "--out", out)
+    assert r.returncode == 0, r.stderr[-2000:]
+    train = [x for x in read_metrics(out) if "reward_mean" in x]
+    assert len(train) == 30 and all(1 <= x["sample_rounds"] <= 3 for x in train)
+
+# ----------------------------------------------------------------------------- bad input, checkpoints, resume
+
+
+def write(path, text):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--task", "mnist"], "unknown --task"),
+    (["--algo", "ppo"], "unknown --algo"),
+    (["--data", "/nonexistent/folder"], "--data folder"),
+    (["--group-size", "1"], "--group-size must be at least 2"),
+    (["--steps", "0"], "--steps must be a positive"),
+    (["--prompts-per-step", "-1"], "--prompts-per-step must be a positive"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be a positive"),
+    (["--micro-batch", "999"], "--micro-batch 999 is larger than the batch"),
+    (["--lr", "abc"], "invalid float value"),
+    (["--resume", "/nonexistent/run"], "no checkpoint found"),
+])
+def test_bad_input_exits_2_with_one_line(args, needle, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        S.main(args if "--resume" in args else [*args, "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and needle in err and len(err.splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("content,needle", [
+    ('{"question": "q", "answer": "#### 1"}\nnot json\n', "line 2 is not valid JSON"),
+    ('{"question": "q"}\n', "line 1 lacks"),
+    ('{"question": "q", "answer": "just 4"}\n', "does not end in '#### N'"),
+])
+def test_malformed_data_names_file_and_line(content, needle, tmp_path, capsys):
+    write(tmp_path / "d" / "train.jsonl", content)
+    write(tmp_path / "d" / "test.jsonl", '{"question": "q", "answer": "#### 1"}\n')
+    with pytest.raises(SystemExit) as e:
+        S.main(["--data", str(tmp_path / "d"), "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and needle in err and "train.jsonl" in err
+
+
+def test_unwritable_out_and_existing_run_are_refused(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(SystemExit) as e:
+        S.main(["--out", str(blocker / "sub")])
+    assert e.value.code == 2 and "not writable" in capsys.readouterr().err
+    write(tmp_path / "run" / "metrics.jsonl", "{}\n")
+    with pytest.raises(SystemExit) as e:
+        S.main(["--out", str(tmp_path / "run")])
+    assert e.value.code == 2 and "already holds a run" in capsys.readouterr().err
+
+
+def test_bad_input_in_a_subprocess_has_no_traceback():
+    r = run("--model", "tiny", "--device", "cuda" if not torch.cuda.is_available() else "bogus")
+    assert r.returncode == 2 and "Traceback" not in r.stderr and r.stderr.startswith("error: ")
+
+
+def test_hub_model_without_network_fails_with_one_line(tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    r = subprocess.run([sys.executable, "scgrpo.py", "--model", "Qwen2.5-0.5B", "--task", "arith",
+                        "--out", str(tmp_path / "o")], capture_output=True, text=True, cwd=HERE, env=env, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "could not load model" in r.stderr and "--model tiny" in r.stderr
+
+
+def test_interrupted_checkpoint_write_keeps_the_previous_one(tiny, tmp_path, monkeypatch):
+    model, tok = tiny
+    folder = str(tmp_path / "ckpt")
+    cfg = S.Config(out=str(tmp_path))
+    S.save_checkpoint(folder, model, tok, cfg, {"step": 1})
+    real_save = torch.save
+
+    def crash(*a, **k):
+        raise OSError("disk full")
+    monkeypatch.setattr(torch, "save", crash)
+    with pytest.raises(OSError):
+        S.save_checkpoint(folder, model, tok, cfg, {"step": 2})
+    monkeypatch.setattr(torch, "save", real_save)
+    found = S.find_checkpoint(str(tmp_path))
+    assert found == folder and torch.load(os.path.join(found, "state.pt"))["step"] == 1
+
+
+def test_nonfinite_loss_is_skipped_and_counted(tiny, monkeypatch):
+    model, tok = S.make_tiny(0)
+    cfg = S.Config(algo="grpo", prompts_per_step=8, group_size=8, max_new_tokens=3, micro_batch=64, lr=1e-3)
+    rows, _ = S.make_arith()
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    before = [p.detach().clone() for p in model.parameters()]
+    real = S.policy_loss
+    monkeypatch.setattr(S, "policy_loss", lambda *a: (real(*a)[0] * float("nan"), real(*a)[1]))
+    for seed in range(20):  # until a step has a group with a gradient
+        m, _ = S.train_step(model, opt, tok, cfg, rows, S.Batcher(len(rows), seed), random.Random(0),
+                            torch.Generator().manual_seed(seed), [0])
+        if m["answers_updated"]:
+            break
+    assert m["answers_updated"] > 0 and m["nonfinite"] is True
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+TRAIN_KEYS_TO_IGNORE = ("seconds", "t_sample", "t_teacher", "t_update")
+
+
+def train_lines(out, after=0):
+    return [{k: v for k, v in x.items() if k not in TRAIN_KEYS_TO_IGNORE}
+            for x in read_metrics(out) if "reward_mean" in x and x["step"] > after]
+
+
+def test_sigint_then_resume_equals_an_uninterrupted_run(tmp_path):
+    args = ["--algo", "scgrpo", "--steps", "120", "--eval-every", "1000", "--eval-k", "0", "--seed", "3"]
+    ref = str(tmp_path / "ref")
+    assert run(*args, "--out", ref).returncode == 0
+    out = str(tmp_path / "cut")
+    p = subprocess.Popen([sys.executable, "scgrpo.py", *args, "--out", out], cwd=HERE,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = os.path.join(out, "metrics.jsonl")
+    deadline = time.time() + 120
+    while time.time() < deadline and p.poll() is None:
+        if os.path.exists(metrics) and sum(1 for _ in open(metrics)) >= 15:
+            p.send_signal(signal.SIGINT)
+            break
+        time.sleep(0.02)
+    stdout, stderr = p.communicate(timeout=120)
+    assert p.returncode == 130, stderr[-2000:]
+    resume_cmd = [ln.strip() for ln in stdout.splitlines() if "--resume" in ln][-1].split()
+    assert resume_cmd[:2] == ["python", "scgrpo.py"]
+    r = subprocess.run([sys.executable, *resume_cmd[1:]], cwd=HERE, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "resuming" in r.stdout and train_lines(out) == train_lines(ref)
+
+
+def test_resume_with_more_steps_equals_one_long_run(tmp_path):
+    args = ["--algo", "grpo", "--eval-every", "1000", "--eval-k", "0", "--seed", "5"]
+    long_, short = str(tmp_path / "long"), str(tmp_path / "short")
+    assert run(*args, "--steps", "40", "--out", long_).returncode == 0
+    assert run(*args, "--steps", "25", "--out", short).returncode == 0
+    r = run("--resume", short, "--steps", "40")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert train_lines(short, after=25) == train_lines(long_, after=25)
+    assert len(train_lines(short)) == 40
+
+
+def test_arith_files_in_data_match_the_generator():
+    train, test = S.make_arith()
+    for name, rows in (("train", train), ("test", test)):
+        with open(os.path.join(HERE, "data", "arith", f"{name}.jsonl")) as f:
+            assert [json.loads(line) for line in f] == rows
+    assert not {r["question"] for r in train} & {r["question"] for r in test}
