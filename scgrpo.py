@@ -114,8 +114,8 @@ class Config:
 # Presets: `--model tiny --task arith` must learn in minutes on a CPU; the real
 # models get settings for one 24 GB GPU. Explicit flags always win.
 PRESETS = {
-    "tiny": dict(steps=3000, prompts_per_step=16, group_size=16, max_new_tokens=4, lr=1e-3,
-                 micro_batch=256, eval_every=500, eval_n=100, eval_batch=100, save_every=1000,
+    "tiny": dict(steps=2000, prompts_per_step=16, group_size=16, max_new_tokens=2, lr=3e-4,
+                 micro_batch=256, eval_every=250, eval_n=100, eval_batch=100, save_every=500,
                  log_every=250),
     "hub": dict(steps=200, prompts_per_step=8, group_size=8, max_new_tokens=512, lr=1e-6,
                 micro_batch=8, eval_every=25, eval_n=200, eval_batch=64, save_every=50, log_every=1),
