@@ -97,7 +97,7 @@ class Config:
     c_min: float = 1e-4          # floor of c in f(D) = D / (D + c); paper: 1e-4
     kl_quantile: float = 0.75    # c = quantile of D over active tokens; paper: P75
     alpha_div: float = 0.1       # scale of the solve-none diversity advantage, Eq. (5); paper: 0.1
-    overlong_buffer: int = 0     # dapo: soft length penalty inside this many tokens of the cap (0: cap/4)
+    overlong_buffer: int = 0     # dapo: soft length penalty inside this many tokens of the cap; 0 = off
     dapo_max_rounds: int = 3     # dapo: sampling rounds per step to refill dropped groups
     eval_every: int = 25         # steps between evaluations (also at step 0 and at the end)
     eval_n: int = 200            # test questions in the fixed evaluation subset
@@ -117,7 +117,7 @@ PRESETS = {
     "tiny": dict(steps=2000, prompts_per_step=16, group_size=16, max_new_tokens=2, lr=3e-4,
                  micro_batch=256, eval_every=250, eval_n=100, eval_batch=100, save_every=500,
                  log_every=250),
-    "hub": dict(steps=200, prompts_per_step=8, group_size=8, max_new_tokens=512, lr=1e-6,
+    "hub": dict(steps=200, prompts_per_step=8, group_size=8, max_new_tokens=512, lr=1e-6, overlong_buffer=128,
                 micro_batch=8, eval_every=25, eval_n=200, eval_batch=64, save_every=50, log_every=1),
 }
 MODEL_ALIASES = {
@@ -176,6 +176,8 @@ def check_config(cfg):
     if cfg.micro_batch > cfg.prompts_per_step * cfg.group_size:
         die(f"--micro-batch {cfg.micro_batch} is larger than the batch "
             f"({cfg.prompts_per_step} x {cfg.group_size}); lower it")
+    if not 0 <= cfg.overlong_buffer < cfg.max_new_tokens:
+        die(f"--overlong-buffer must be in [0, --max-new-tokens), got {cfg.overlong_buffer}")
     if cfg.temperature <= 0:
         die("--temperature must be > 0 for training (greedy decoding is used for evaluation only)")
     if not 0 < cfg.kl_quantile < 1:
@@ -687,6 +689,17 @@ def pad_rows(rows, value=0):
     return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=value)
 
 
+def pack(items):
+    """A micro-batch of answers, right-padded: comp_ids (b, L), resp_mask (b, L)."""
+    comp_ids = pad_rows([it["ids"] for it in items])
+    resp_mask = pad_rows([torch.ones_like(it["ids"], dtype=torch.bool) for it in items], False)
+    return comp_ids, resp_mask
+
+
+def micro_batches(items, size):
+    return [items[s:s + size] for s in range(0, len(items), size)]
+
+
 def rollout(model, tok, cfg, rows, gen, eos_ids):
     """Sample G answers for each row and grade them. -> list of group dicts."""
     G = cfg.group_size
@@ -695,148 +708,162 @@ def rollout(model, tok, cfg, rows, gen, eos_ids):
                                          tok.pad_token_id, gen, keep_hidden=cfg.algo == "scgrpo")
     texts = decode(tok, comp_ids, resp_mask)
     correct = torch.tensor([verify(t, rows[j // G]["answer"]) for j, t in enumerate(texts)]).view(-1, G).float()
-    reward = correct.clone()                                                                 # (B, G)
     lengths = resp_mask.sum(1).cpu().view(-1, G)                                             # (B, G)
-    if cfg.algo == "dapo":
-        buffer = cfg.overlong_buffer or max(1, cfg.max_new_tokens // 4)
-        reward += overlong_penalty(lengths, cfg.max_new_tokens, buffer)
+    reward = correct.clone()                                                                 # (B, G)
+    if cfg.algo == "dapo" and cfg.overlong_buffer:
+        reward += overlong_penalty(lengths, cfg.max_new_tokens, cfg.overlong_buffer)
+    rows_of = lambda b: range(b * G, (b + 1) * G)  # noqa: E731  (answers of group b)
     return [dict(row=rows[b], prompt=prompts[b], texts=texts[b * G:(b + 1) * G], correct=correct[b],
-                 reward=reward[b], lengths=lengths[b],
-                 ids=[comp_ids[b * G + i][resp_mask[b * G + i]] for i in range(G)],
-                 hidden=[hidden[b * G + i][resp_mask[b * G + i]] for i in range(G)] if hidden is not None else None)
+                 reward=reward[b], lengths=lengths[b], ids=[comp_ids[j][resp_mask[j]] for j in rows_of(b)],
+                 hidden=[hidden[j][resp_mask[j]] for j in rows_of(b)] if hidden is not None else None)
             for b in range(len(rows))]
 
 
-def train_step(model, opt, tok, cfg, train_rows, batcher, rng, gen, eos_ids):
-    """One update: sample -> reward -> advantages -> (SC-GRPO) teacher KL and weights -> loss.
-    Returns (metrics dict, credit examples, whether the optimizer stepped)."""
-    G, t0 = cfg.group_size, time.time()
-    head, device = model.get_output_embeddings(), next(model.parameters()).device
-    chunk = max(16, 2 ** 24 // head.weight.shape[0])  # rows per vocabulary-sized chunk: <= 64 MB fp32 each
-
-    # 1. Sample. DAPO's dynamic sampling drops groups whose rewards are all equal and refills.
+def sample_groups(model, tok, cfg, train_rows, batcher, gen, eos_ids):
+    """prompts_per_step groups. DAPO's dynamic sampling drops groups whose rewards are all equal
+    and refills the batch, for at most dapo_max_rounds rounds. -> (groups, every group sampled, rounds)"""
     groups, sampled, rounds = [], [], 0
     while len(groups) < cfg.prompts_per_step and rounds < (cfg.dapo_max_rounds if cfg.algo == "dapo" else 1):
         rounds += 1
-        new = rollout(model, tok, cfg, [train_rows[i] for i in batcher.take(cfg.prompts_per_step - len(groups))],
-                      gen, eos_ids)
+        rows = [train_rows[i] for i in batcher.take(cfg.prompts_per_step - len(groups))]
+        new = rollout(model, tok, cfg, rows, gen, eos_ids)
         sampled += new
         groups += [g for g in new if cfg.algo != "dapo" or not bool((g["reward"] == g["reward"][0]).all())]
-    t_sample = time.time() - t0
+    return groups, sampled, rounds
 
-    # 2. Group advantages, Eq. (1), and each group's route.
-    rewards = torch.stack([g["reward"] for g in groups]) if groups else torch.zeros(0, G)    # (B, G)
-    adv = group_advantages(rewards)                                                         # (B, G)
-    routes = route_groups(rewards, cfg.algo)
-    items = []  # one per answer that gets a gradient
+
+def make_items(groups, routes, adv, rng):
+    """One item per answer that gets a gradient, with its advantage, unit weights and, for
+    SC-GRPO routes, the index of its reference answer."""
+    items = []
     for b, (g, route) in enumerate(zip(groups, routes)):
         if route == "skip":
             continue
         refs = pick_references(g["correct"].bool().tolist(), route, rng)
-        for i in range(G):
+        for i in range(len(refs)):
             if route == "none" and refs[i] is None:
                 continue  # o_r, the solve-none reference itself: advantage 0, no gradient (note 3)
-            items.append(dict(group=b, i=i, route=route, prompt=g["prompt"], ids=g["ids"][i], adv=float(adv[b, i]),
-                              weights=torch.ones(len(g["ids"][i]), device=device), ref=refs[i]))
+            items.append(dict(group=b, i=i, route=route, prompt=g["prompt"], ids=g["ids"][i], ref=refs[i],
+                              adv=float(adv[b, i]), weights=torch.ones(len(g["ids"][i]), device=g["ids"][i].device)))
+    return items
 
-    # 3. SC-GRPO: teacher KL D_{i,t} for routed answers, weights f(D), solve-none advantages.
-    t1, kl_stats, credit = time.time(), {}, []
+
+@torch.no_grad()
+def self_condition(model, tok, cfg, groups, items, chunk):
+    """SC-GRPO's addition. For every routed answer: the teacher prompt with its reference, the
+    per-token KL D (one teacher forward pass), the weights f(D), and in solve-none groups the
+    diversity advantage of Eq. (5). Updates the items in place; returns metrics."""
     routed = [it for it in items if it["ref"] is not None]
-    if routed:
-        teacher_prompts = {}  # (group, reference) -> ids; at most G distinct per group
-        for it in routed:
-            g, key = groups[it["group"]], (it["group"], it["ref"])
-            if key not in teacher_prompts:
-                teacher_prompts[key] = encode_prompt(tok, g["row"]["question"], reference=g["texts"][it["ref"]])
-            it["teacher_prompt"] = teacher_prompts[key]
-            L_ref = len(g["ids"][it["ref"]])
-            n_act = len(it["ids"]) if it["route"] == "partial" else min(len(it["ids"]), L_ref)
-            it["active"] = torch.arange(len(it["ids"]), device=device) < n_act               # (L_i,)
-        for s in range(0, len(routed), cfg.micro_batch):
-            mb = routed[s:s + cfg.micro_batch]
-            comp = pad_rows([it["ids"] for it in mb])                                        # (b, L)
-            mask = pad_rows([torch.ones_like(it["ids"], dtype=torch.bool) for it in mb], False)
-            hid = pad_rows([groups[it["group"]]["hidden"][it["i"]] for it in mb])            # (b, L, H)
-            kl = teacher_kl(model, [it["teacher_prompt"] for it in mb], comp, mask, hid, cfg.temperature, chunk)
-            for it, d in zip(mb, kl.split([len(it["ids"]) for it in mb])):
-                it["kl"] = d
-        kl_all, active_all = torch.cat([it["kl"] for it in routed]), torch.cat([it["active"] for it in routed])
-        w_all, c = sc_weights(kl_all, active_all, cfg.c_min, cfg.kl_quantile)
-        for it, w in zip(routed, w_all.split([len(it["ids"]) for it in routed])):
-            it["weights"] = w
-        for b in {it["group"] for it in routed if it["route"] == "none"}:
-            members = {it["i"]: it for it in items if it["group"] == b}
-            r = next(i for i in range(G) if i not in members)
-            w = pad_rows([members[i]["weights"] if i in members else torch.zeros(1, device=device) for i in range(G)])
-            div = diversity_advantages(w.cpu(), groups[b]["lengths"], r, cfg.alpha_div)      # Eq. (5)
-            for i, it in members.items():
-                it["adv"] = float(div[i])
-        act = kl_all[active_all].float()
-        p50, p75, p95 = torch.quantile(act, torch.tensor([0.5, 0.75, 0.95], device=act.device)).tolist()
-        kl_stats = dict(kl_p50=p50, kl_p75=p75, kl_p95=p95, c=c, weight_mean=float(w_all[active_all].mean()))
-        credit = routed[:4]
-    t_teacher = time.time() - t1
+    teacher_prompts = {}  # (group, reference) -> ids: at most G distinct per group
+    for it in routed:
+        g, key = groups[it["group"]], (it["group"], it["ref"])
+        if key not in teacher_prompts:
+            teacher_prompts[key] = encode_prompt(tok, g["row"]["question"], reference=g["texts"][it["ref"]])
+        it["teacher_prompt"] = teacher_prompts[key]
+        # Active tokens: all of a partial-solve answer; the first L_i = min(|o_i|, |o_r|) in solve-none (note 4).
+        n_active = len(it["ids"]) if it["route"] == "partial" else min(len(it["ids"]), len(g["ids"][it["ref"]]))
+        it["active"] = torch.arange(len(it["ids"]), device=it["ids"].device) < n_active      # (L_i,)
+    for mb in micro_batches(routed, cfg.micro_batch):
+        comp_ids, resp_mask = pack(mb)                                                       # (b, L)
+        student_hidden = pad_rows([groups[it["group"]]["hidden"][it["i"]] for it in mb])     # (b, L, H)
+        kl = teacher_kl(model, [it["teacher_prompt"] for it in mb], comp_ids, resp_mask, student_hidden,
+                        cfg.temperature, chunk)                                              # (n_active,)
+        for it, d in zip(mb, kl.split([len(it["ids"]) for it in mb])):
+            it["kl"] = d
+    kl, active = torch.cat([it["kl"] for it in routed]), torch.cat([it["active"] for it in routed])
+    weights, c = sc_weights(kl, active, cfg.c_min, cfg.kl_quantile)  # c over the whole batch (note 1)
+    for it, w in zip(routed, weights.split([len(it["ids"]) for it in routed])):
+        it["weights"] = w
+    for b in {it["group"] for it in routed if it["route"] == "none"}:
+        members = {it["i"]: it for it in routed if it["group"] == b}
+        r = next(i for i in range(cfg.group_size) if i not in members)
+        w = pad_rows([members[i]["weights"] if i in members else kl.new_zeros(1) for i in range(cfg.group_size)])
+        div = diversity_advantages(w.cpu(), groups[b]["lengths"], r, cfg.alpha_div)          # Eq. (5)
+        for i, it in members.items():
+            it["adv"] = float(div[i])
+    p50, p75, p95 = torch.quantile(kl[active].float(), torch.tensor([0.5, 0.75, 0.95], device=kl.device)).tolist()
+    return dict(kl_p50=p50, kl_p75=p75, kl_p95=p95, c=c, weight_mean=float(weights[active].mean()))
 
-    # 4. Clipped policy-gradient update over micro-batches, longest first.
-    t2 = time.time()
-    if cfg.algo == "dapo":  # token-level loss: every token of the batch counts once
-        total_tokens = sum(len(it["ids"]) for it in items)
-        for it in items:
-            it["scale"] = 1.0 / total_tokens
-    else:  # per-sequence mean, 1/G sum_i 1/|o_i|, averaged over all groups of the step
-        for it in items:
-            it["scale"] = 1.0 / (len(groups) * G * len(it["ids"]))
-    items.sort(key=lambda it: -(len(it["prompt"]) + len(it["ids"])))
-    mbs = [items[s:s + cfg.micro_batch] for s in range(0, len(items), cfg.micro_batch)]
+
+def update(model, opt, cfg, items, n_groups, chunk):
+    """ppo_epochs AdamW steps on the clipped objective, gradients accumulated over micro-batches
+    (longest first, so a memory problem shows at once). -> (loss, clip_frac, grad_norm, stepped)"""
+    head, device = model.get_output_embeddings(), next(model.parameters()).device
+    total_tokens = sum(len(it["ids"]) for it in items)
+    for it in items:  # DAPO: token-level mean over the batch; GRPO: 1/G sum_i 1/|o_i|, mean over groups
+        it["scale"] = 1.0 / total_tokens if cfg.algo == "dapo" else 1.0 / (n_groups * cfg.group_size * len(it["ids"]))
+    items = sorted(items, key=lambda it: -(len(it["prompt"]) + len(it["ids"])))
+    mbs = micro_batches(items, cfg.micro_batch)
     eps_high = cfg.epsilon_high or (0.28 if cfg.algo == "dapo" else cfg.epsilon)
-    loss_sum, clip_sum, grad_norm, stepped = 0.0, 0.0, 0.0, False
+
+    def logprobs(mb, comp_ids, resp_mask):  # (b, L), zero outside resp_mask
+        h = completion_hidden(model, [it["prompt"] for it in mb], comp_ids, resp_mask)       # (n_active, H)
+        lp = head_logprobs(head, h, comp_ids[resp_mask], cfg.temperature, chunk)             # (n_active,)
+        return torch.zeros(resp_mask.shape, device=device).masked_scatter(resp_mask, lp)
+
     if cfg.ppo_epochs > 1:  # old log-probs, frozen for all epochs
         with torch.no_grad():
             for mb in mbs:
-                comp, mask = pad_rows([it["ids"] for it in mb]), pad_rows([torch.ones_like(it["ids"], dtype=torch.bool) for it in mb], False)
-                lp = head_logprobs(head, completion_hidden(model, [it["prompt"] for it in mb], comp, mask), comp[mask], cfg.temperature, chunk)
-                for it, l in zip(mb, lp.split([len(it["ids"]) for it in mb])):
-                    it["old_logp"] = l
-    for epoch in range(cfg.ppo_epochs if items else 0):
-        opt.zero_grad(set_to_none=True)
+                comp_ids, resp_mask = pack(mb)
+                for it, lp, m in zip(mb, logprobs(mb, comp_ids, resp_mask), resp_mask):
+                    it["old_logp"] = lp[m]
+    loss_sum, clip_sum, grad_norm, stepped = 0.0, 0.0, 0.0, False
+    for _ in range(cfg.ppo_epochs if items else 0):
         loss_sum, clip_sum = 0.0, 0.0
         for mb in mbs:
-            comp = pad_rows([it["ids"] for it in mb])                                        # (b, L)
-            mask = pad_rows([torch.ones_like(it["ids"], dtype=torch.bool) for it in mb], False)
-            h = completion_hidden(model, [it["prompt"] for it in mb], comp, mask)            # (n, H)
-            logp = torch.zeros(mask.shape, device=device).masked_scatter(mask, head_logprobs(head, h, comp[mask], cfg.temperature, chunk))
-            old = pad_rows([it["old_logp"] for it in mb]) if cfg.ppo_epochs > 1 else logp.detach()
-            weights = pad_rows([it["weights"] for it in mb])
-            scale = pad_rows([torch.full((len(it["ids"]),), it["scale"], device=device) for it in mb])
-            adv_mb = torch.tensor([it["adv"] for it in mb], device=device)
-            loss, clip_frac = policy_loss(logp, old, adv_mb, weights, scale, mask, cfg.epsilon, eps_high)
+            comp_ids, resp_mask = pack(mb)                                                   # (b, L)
+            logp = logprobs(mb, comp_ids, resp_mask)                                         # (b, L)
+            old_logp = pad_rows([it["old_logp"] for it in mb]) if cfg.ppo_epochs > 1 else logp.detach()
+            loss, clip_frac = policy_loss(
+                logp, old_logp, torch.tensor([it["adv"] for it in mb], device=device),
+                pad_rows([it["weights"] for it in mb]),
+                pad_rows([torch.full((len(it["ids"]),), it["scale"], device=device) for it in mb]),
+                resp_mask, cfg.epsilon, eps_high)
             loss.backward()
-            loss_sum, clip_sum = loss_sum + loss.item(), clip_sum + float(clip_frac) * len(mb)
+            loss_sum, clip_sum = loss_sum + loss.item(), clip_sum + clip_frac.item() * len(mb)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
         if not (math.isfinite(loss_sum) and math.isfinite(grad_norm)):
-            opt.zero_grad(set_to_none=True)  # a non-finite step is skipped, never applied
-            break
+            break  # a non-finite step is skipped, never applied
         opt.step()
+        opt.zero_grad(set_to_none=True)
         stepped = True
     opt.zero_grad(set_to_none=True)
+    return loss_sum, clip_sum / max(1, len(items)), grad_norm, stepped
 
-    all_correct = torch.stack([g["correct"] for g in sampled])
+
+def train_step(model, opt, tok, cfg, train_rows, batcher, rng, gen, eos_ids):
+    """One update: sample -> reward -> advantages and routes -> (SC-GRPO) teacher KL and
+    weights -> clipped update. Returns (metrics, credit-view examples)."""
+    head = model.get_output_embeddings()
+    chunk = max(16, 2 ** 24 // head.weight.shape[0])  # rows per vocabulary-sized chunk: <= 64 MB fp32 each
+    t0 = time.time()
+    groups, sampled, rounds = sample_groups(model, tok, cfg, train_rows, batcher, gen, eos_ids)
+    t1 = time.time()
+    rewards = torch.stack([g["reward"] for g in groups]) if groups else torch.zeros(0, cfg.group_size)  # (B, G)
+    adv = group_advantages(rewards)                                                          # Eq. (1), (B, G)
+    routes = route_groups(rewards, cfg.algo)
+    items = make_items(groups, routes, adv, rng)
+    routed = any(it["ref"] is not None for it in items)
+    sc_stats = self_condition(model, tok, cfg, groups, items, chunk) if routed else {}
+    t2 = time.time()
+    loss, clip_frac, grad_norm, stepped = update(model, opt, cfg, items, len(groups), chunk)
     metrics = dict(
-        reward_mean=float(all_correct.mean()), loss=loss_sum, grad_norm=grad_norm,
-        clip_frac=clip_sum / max(1, len(items)), len_mean=float(torch.stack([g["lengths"] for g in sampled]).float().mean()),
+        reward_mean=float(torch.stack([g["correct"] for g in sampled]).mean()), loss=loss, grad_norm=grad_norm,
+        clip_frac=clip_frac, len_mean=float(torch.stack([g["lengths"] for g in sampled]).float().mean()),
         groups_skipped=routes.count("skip"), groups_partial=routes.count("partial"), groups_none=routes.count("none"),
-        groups_fallback=routes.count("fallback"), answers_updated=len(items), **kl_stats,
-        nonfinite=bool(items) and not stepped, t_sample=t_sample, t_teacher=t_teacher, t_update=time.time() - t2)
+        groups_fallback=routes.count("fallback"), answers_updated=len(items), **sc_stats,
+        nonfinite=bool(items) and not stepped, t_sample=t1 - t0, t_teacher=t2 - t1, t_update=time.time() - t2)
     if cfg.algo == "dapo":
         metrics.update(sample_rounds=rounds, groups_dropped=len(sampled) - len(groups))
-    return metrics, credit_examples(tok, groups, credit)
+    first_of_group = {}  # the credit view shows one routed answer from each of up to 4 groups
+    for it in items:
+        if it["ref"] is not None and len(first_of_group) < 4:
+            first_of_group.setdefault(it["group"], it)
+    return metrics, [dict(question=groups[it["group"]]["row"]["question"], route=it["route"], adv=it["adv"],
+                          reward=float(groups[it["group"]]["correct"][it["i"]]), weights=it["weights"].tolist(),
+                          tokens=[tok.decode([t]) for t in it["ids"].tolist()], kl=it["kl"].tolist(),
+                          reference=groups[it["group"]]["texts"][it["ref"]]) for it in first_of_group.values()]
 
-
-def credit_examples(tok, groups, items):
-    return [dict(question=groups[it["group"]]["row"]["question"], route=it["route"], adv=it["adv"],
-                 reward=float(groups[it["group"]]["correct"][it["i"]]),
-                 tokens=[tok.decode([t]) for t in it["ids"].tolist()], weights=it["weights"].tolist(),
-                 kl=it["kl"].tolist(), reference=groups[it["group"]]["texts"][it["ref"]]) for it in items]
 
 # -----------------------------------------------------------------------------
 # Checkpoints: written to a temporary folder, then renamed into place
