@@ -41,12 +41,14 @@ def peak_memory_gib(device):
 def run_ours(args, algo):
     S.verify = coin_reward  # the same reward as TRL's below
     cfg = S.Config(model=args.model, task="gsm8k", data=args.data, algo=algo, prompts_per_step=args.prompts,
-                   group_size=args.group, max_new_tokens=args.max_new, micro_batch=args.prompts * args.group,
-                   lr=1e-6, seed=0, device=args.device)
+                   group_size=args.group, max_new_tokens=args.max_new, micro_batch=args.micro_batch,
+                   grad_checkpoint=args.grad_checkpoint, lr=1e-6, seed=0, device=args.device)
     device = S.pick_device(cfg.device)
     train_rows, _ = S.load_task(cfg)
     model, tok = S.load_model(cfg.model, cfg.seed)
     model.to(device).eval()
+    if cfg.grad_checkpoint:
+        model.activation_checkpointing_enable({"use_reentrant": False})
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     batcher, rng, gen = S.Batcher(len(train_rows), 0), __import__("random").Random(0), torch.Generator(device).manual_seed(0)
     rows = []
@@ -86,8 +88,9 @@ def run_trl(args):
 
     device = S.pick_device(args.device)
     config = GRPOConfig(
-        output_dir=tempfile.mkdtemp(), per_device_train_batch_size=args.prompts * args.group, num_generations=args.group,
-        gradient_accumulation_steps=1, max_completion_length=args.max_new, temperature=1.0, top_p=1.0, top_k=0,
+        output_dir=tempfile.mkdtemp(), per_device_train_batch_size=args.micro_batch, num_generations=args.group,
+        gradient_accumulation_steps=args.prompts * args.group // args.micro_batch,
+        gradient_checkpointing=args.grad_checkpoint, max_completion_length=args.max_new, temperature=1.0, top_p=1.0, top_k=0,
         beta=0.0, num_iterations=1, loss_type="grpo", learning_rate=1e-6, max_steps=args.steps + 1, logging_steps=1,
         report_to="none", save_strategy="no", use_cpu=device.type == "cpu", bf16=device.type == "cuda",
         chat_template_kwargs={"enable_thinking": False}, seed=0, shuffle_dataset=False)
@@ -109,6 +112,8 @@ def main():
     ap.add_argument("--group", type=int, default=8, help="answers per prompt (G)")
     ap.add_argument("--max-new", type=int, default=32, help="answer length cap")
     ap.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step")
+    ap.add_argument("--micro-batch", type=int, default=64, help="answers per forward/backward (divides prompts x group)")
+    ap.add_argument("--grad-checkpoint", action="store_true", help="recompute layers in backward (both implementations)")
     ap.add_argument("--device", default="auto", help="auto, cpu or cuda")
     ap.add_argument("--impls", nargs="+", default=["grpo", "scgrpo", "trl"], help="what to run")
     ap.add_argument("--only", default="", help=argparse.SUPPRESS)  # internal: run one impl, print JSON
@@ -126,7 +131,8 @@ def main():
         results[impl] = json.loads(line[0][len("RESULT "):])
         print(f"{impl}: {results[impl]}", file=sys.stderr)
     fmt = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
-    print(f"\n{args.prompts} prompts x {args.group} answers x {args.max_new} new tokens, model {args.model}\n")
+    print(f"\n{args.prompts} prompts x {args.group} answers x {args.max_new} new tokens, micro-batch {args.micro_batch}, "
+          f"grad checkpoint {args.grad_checkpoint}, model {args.model}\n")
     print("| impl | s/step (median) | generate | teacher + KL | update | peak GiB | reward mean |")
     print("|---|---|---|---|---|---|---|")
     for r in results.values():

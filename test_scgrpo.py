@@ -526,3 +526,30 @@ def test_arith_files_in_data_match_the_generator():
         with open(os.path.join(HERE, "data", "arith", f"{name}.jsonl")) as f:
             assert [json.loads(line) for line in f] == rows
     assert not {r["question"] for r in train} & {r["question"] for r in test}
+
+
+def test_gradient_checkpointing_gives_the_same_update():
+    params, saved_numel = [], []
+    for ckpt in (False, True):
+        model, tok = S.make_tiny(0)
+        if ckpt:
+            model.activation_checkpointing_enable({"use_reentrant": False})
+        model.eval()
+        saved = []  # numel of every tensor autograd keeps for backward
+
+        def keep(t):
+            saved.append(t.numel())
+            return t
+        cfg = S.Config(algo="scgrpo", prompts_per_step=8, group_size=8, max_new_tokens=3, micro_batch=16,
+                       lr=1e-2, grad_checkpoint=ckpt)
+        rows, _ = S.make_arith()
+        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            m, _ = S.train_step(model, opt, tok, cfg, rows, S.Batcher(len(rows), 0), random.Random(0),
+                                torch.Generator().manual_seed(0), [0])
+        assert m["answers_updated"] > 0 and not model.training
+        params.append([p.detach().clone() for p in model.parameters()])
+        saved_numel.append(sum(saved))
+    assert saved_numel[1] < saved_numel[0] / 3  # checkpointing really kept fewer activations
+    for a, b in zip(*params):
+        torch.testing.assert_close(a, b)
