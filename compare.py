@@ -56,7 +56,7 @@ def main():
     jobs = [(a, s) for a in args.algos for s in args.seeds]
     with ThreadPoolExecutor(args.jobs) as pool:
         results = list(pool.map(lambda j: run_one(*j, args.out, args.extra), jobs))
-    print(f"| algorithm | final greedy acc | Avg@8 | Pass@8 | steps to 50% greedy (runs that reached it) |")
+    print("| algorithm | final greedy acc | Avg@8 | Pass@8 | steps to 50% greedy (runs that reached it) |")
     print("|---|---|---|---|---|")
     for a in args.algos:
         rs = [r for r in results if r["algo"] == a]

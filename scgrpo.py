@@ -48,6 +48,7 @@ Run it:
 import argparse
 import dataclasses
 import html
+import inspect
 import json
 import math
 import os
@@ -62,7 +63,6 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
@@ -78,7 +78,7 @@ def die(msg):
 
 @dataclass
 class Config:
-    model: str = "tiny"          # alias (Qwen2.5-0.5B), hub id, local folder, or "tiny" (built in code)
+    model: str = "tiny"          # "tiny" (built in code), an alias (Qwen2.5-0.5B, Qwen3-0.6B, ...), a hub id or a folder
     task: str = "arith"          # "gsm8k" or "arith" (offline synthetic addition)
     data: str = ""               # local folder with train.jsonl / test.jsonl in GSM8K's schema
     algo: str = "scgrpo"         # "scgrpo" (the method), "grpo" or "dapo" (the paper's baselines)
@@ -94,7 +94,7 @@ class Config:
     ppo_epochs: int = 1          # mu: optimizer steps per sampled batch; >1 keeps old log-probs
     micro_batch: int = 8         # answers per forward/backward; gradients are accumulated
     max_grad_norm: float = 1.0   # gradient clipping; the paper is silent, 1.0 is the common default
-    grad_checkpoint: bool = False  # recompute each layer in backward: ~1/20 the activations, ~30% more update time
+    grad_checkpoint: bool = False  # recompute layers in backward: far less activation memory, slower update
     c_min: float = 1e-4          # floor of c in f(D) = D / (D + c); paper: 1e-4
     kl_quantile: float = 0.75    # c = quantile of D over active tokens; paper: P75
     alpha_div: float = 0.1       # scale of the solve-none diversity advantage, Eq. (5); paper: 0.1
@@ -128,12 +128,11 @@ MODEL_ALIASES = {
     "Qwen3-0.6B": "Qwen/Qwen3-0.6B",
     "Qwen3-1.7B": "Qwen/Qwen3-1.7B",
 }
-HELP = {  # one help string per flag, kept beside the defaults they explain
-    "model": "tiny, an alias (" + ", ".join(MODEL_ALIASES) + "), a hub id or a local folder",
-    "task": "gsm8k or arith", "data": "local folder with train.jsonl/test.jsonl (GSM8K schema)",
-    "algo": "scgrpo, grpo or dapo", "out": "run folder (default: runs/<model>-<task>-<algo>-s<seed>-<time>)",
-    "device": "auto, cpu, cuda or mps",
-}
+
+
+def field_help():
+    """The comment beside each Config field is its --help text: one place for default and why."""
+    return dict(re.findall(r"^    (\w+): \w+ = .*?# (.*)$", inspect.getsource(Config), re.M))
 
 
 class ArgParser(argparse.ArgumentParser):
@@ -144,17 +143,18 @@ class ArgParser(argparse.ArgumentParser):
 def parse_config(argv=None):
     """CLI -> Config. Precedence: explicit flag > preset for the model > dataclass default."""
     ap = ArgParser(description="SC-GRPO / GRPO / DAPO on GSM8K or offline arithmetic.")
+    helps = field_help()
     for f in dataclasses.fields(Config):
-        flag = "--" + f.name.replace("_", "-")
-        desc = HELP.get(f.name) or f.name.replace("_", " ")
         kind = (lambda v: v.lower() in ("1", "true", "yes", "on")) if isinstance(f.default, bool) else type(f.default)
-        ap.add_argument(flag, type=kind, default=None, help=f"{desc} (default {f.default!r} or the preset)")
+        ap.add_argument("--" + f.name.replace("_", "-"), type=kind, default=None,
+                        help=f"{helps[f.name]} (default {f.default!r}, or the model's preset)")
     ap.add_argument("--resume", default="", help="run folder (or its ckpt/) to continue; its saved config is used")
     args = ap.parse_args(argv)
     given = {k: v for k, v in vars(args).items() if v is not None and k != "resume"}
     if args.resume:  # the saved config is used; only --steps may change (to train longer)
-        if set(given) - {"steps"}:
-            die(f"--resume takes the run's saved config; only --steps may be given with it, not --{sorted(set(given) - {'steps'})[0].replace('_', '-')}")
+        extra = sorted(set(given) - {"steps"})
+        if extra:
+            die(f"--resume uses the run's saved config; only --steps may be given with it, not --{extra[0].replace('_', '-')}")
         return given, args.resume
     cfg = Config(**{**PRESETS["tiny" if given.get("model", "tiny") == "tiny" else "hub"], **given})
     if not cfg.out:
@@ -259,7 +259,7 @@ def verify(completion, gold):
 
 
 def make_arith():
-    """Single-digit addition 'a+b=' -> 'a+b', answers 0..18 (one or two tokens plus EOS).
+    """Single-digit addition: question 'a+b=', answer a + b in 0..18 (one or two tokens).
     The whole space is 100 questions; the test split holds out 20 of them."""
     rows = [{"question": f"{a}+{b}=", "answer": f"#### {a + b}"} for a in range(10) for b in range(10)]
     random.Random(1234).shuffle(rows)  # a fixed split, whatever --seed is
@@ -419,7 +419,9 @@ def sample(model, prompts, n, max_new, temperature, eos_ids, pad_id, gen, keep_h
     times; rows that emitted EOS leave the batch. Returns comp_ids (B*n, L) padded with pad_id,
     resp_mask (B*n, L) True up to and including the first EOS (set here, never from pad_id,
     which may equal EOS), and, if asked, the final hidden state at every answer position
-    (B*n, L, H): the student's states s_{i,t}, which the SC-GRPO teacher reuses."""
+    (B*n, L, H): the student's states s_{i,t}, which the SC-GRPO teacher reuses.
+    The distribution is exactly softmax(logits / T), the one the loss scores: the model's
+    generation_config (Qwen2.5-Instruct's sets top-k, top-p and a repetition penalty) is never read."""
     device = next(model.parameters()).device
     base, head = model.base_model, model.get_output_embeddings()
     ids, attn = left_pad(prompts, pad_id, device)                                           # (B, P)

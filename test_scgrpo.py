@@ -32,6 +32,14 @@ def read_metrics(out):
         return [json.loads(line) for line in f]
 
 
+def run_ok(out, *args):
+    """Run scgrpo.py into `out`, require success -> (training lines, evaluation lines)."""
+    r = run(*args, "--out", out)
+    assert r.returncode == 0, r.stderr[-2000:]
+    m = read_metrics(out)
+    return [x for x in m if "reward_mean" in x], [x for x in m if "eval_greedy_acc" in x]
+
+
 @pytest.fixture(scope="module")
 def tiny():
     return S.make_tiny(0)
@@ -339,11 +347,7 @@ def test_teacher_prompt_holds_the_reference_and_student_prompt_does_not(tiny):
 
 def test_tiny_grpo_run_learns_and_saves_a_model(tmp_path):
     out = str(tmp_path / "run")
-    r = run("--algo", "grpo", "--steps", "400", "--eval-every", "400", "--log-every", "100", "--out", out)
-    assert r.returncode == 0, r.stderr[-2000:]
-    m = read_metrics(out)
-    train = [x for x in m if "reward_mean" in x]
-    evals = [x for x in m if "eval_greedy_acc" in x]
+    train, evals = run_ok(out, "--algo", "grpo", "--steps", "400", "--eval-every", "400", "--log-every", "100")
     assert len(train) == 400 and {"step", "reward_mean", "seconds"} <= set(train[0])
     first, last = sum(x["reward_mean"] for x in train[:50]) / 50, sum(x["reward_mean"] for x in train[-50:]) / 50
     assert last > first + 0.1, (first, last)
@@ -356,26 +360,20 @@ def test_tiny_grpo_run_learns_and_saves_a_model(tmp_path):
 
 def test_tiny_scgrpo_run_writes_sc_metrics_and_credit_page(tmp_path):
     out = str(tmp_path / "run")
-    r = run("--algo", "scgrpo", "--steps", "300", "--eval-every", "300", "--eval-k", "4", "--out", out)
-    assert r.returncode == 0, r.stderr[-2000:]
-    m = read_metrics(out)
-    train = [x for x in m if "reward_mean" in x]
+    train, evals = run_ok(out, "--algo", "scgrpo", "--steps", "300", "--eval-every", "300", "--eval-k", "4")
     routed = [x for x in train if x["groups_partial"] + x["groups_none"] > 0]
     assert len(routed) > len(train) // 2
     for x in routed:
         for k in ("kl_p50", "kl_p75", "kl_p95", "c", "weight_mean"):
             assert isinstance(x[k], float) and x[k] == x[k] and abs(x[k]) < float("inf")
         assert 0 <= x["weight_mean"] < 1 and x["kl_p50"] <= x["kl_p75"] <= x["kl_p95"]
-    assert {"eval_avg_at_k", "eval_pass_at_k"} <= set(m[-1])
+    assert {"eval_avg_at_k", "eval_pass_at_k"} <= set(evals[-1])
     page = open(os.path.join(out, "credit_300.html"), encoding="utf-8").read()
     assert page.startswith("<!doctype html>") and "title=\"D = " in page and page.rstrip().endswith("</html>")
 
 
 def test_tiny_dapo_run_completes(tmp_path):
-    out = str(tmp_path / "run")
-    r = run("--algo", "dapo", "--steps", "30", "--eval-every", "30", "--eval-k", "0", "--out", out)
-    assert r.returncode == 0, r.stderr[-2000:]
-    train = [x for x in read_metrics(out) if "reward_mean" in x]
+    train, _ = run_ok(str(tmp_path / "run"), "--algo", "dapo", "--steps", "30", "--eval-every", "30", "--eval-k", "0")
     assert len(train) == 30 and all(1 <= x["sample_rounds"] <= 3 for x in train)
 
 # ----------------------------------------------------------------------------- bad input, checkpoints, resume
