@@ -118,8 +118,8 @@ PRESETS = {
     "tiny": dict(steps=2000, prompts_per_step=16, group_size=16, max_new_tokens=2, lr=3e-4,
                  micro_batch=256, eval_every=250, eval_n=100, eval_batch=100, save_every=500,
                  log_every=250),
-    "hub": dict(steps=200, prompts_per_step=8, group_size=8, max_new_tokens=512, lr=1e-6, overlong_buffer=128,
-                grad_checkpoint=True, micro_batch=8, eval_every=25, eval_n=200, eval_batch=64, save_every=50, log_every=1),
+    "hub": dict(steps=200, prompts_per_step=8, group_size=8, max_new_tokens=512, lr=1e-6, grad_checkpoint=True,
+                micro_batch=8, eval_every=25, eval_n=200, eval_batch=64, save_every=50, log_every=1),
 }
 MODEL_ALIASES = {
     "Qwen2.5-0.5B": "Qwen/Qwen2.5-0.5B-Instruct",
@@ -157,6 +157,11 @@ def parse_config(argv=None):
             die(f"--resume uses the run's saved config; only --steps may be given with it, not --{extra[0].replace('_', '-')}")
         return given, args.resume
     cfg = Config(**{**PRESETS["tiny" if given.get("model", "tiny") == "tiny" else "hub"], **given})
+    # Preset values that depend on other flags; explicit flags are left alone (and checked later).
+    if "micro_batch" not in given:
+        cfg.micro_batch = min(cfg.micro_batch, cfg.prompts_per_step * cfg.group_size)
+    if "overlong_buffer" not in given and cfg.model != "tiny":  # DAPO shapes the last quarter of the cap
+        cfg.overlong_buffer = cfg.max_new_tokens // 4
     if not cfg.out:
         stamp = time.strftime("%Y%m%d-%H%M%S")
         cfg.out = os.path.join("runs", f"{os.path.basename(cfg.model.rstrip('/'))}-{cfg.task}-{cfg.algo}-s{cfg.seed}-{stamp}")
@@ -178,7 +183,7 @@ def check_config(cfg):
     if cfg.micro_batch > cfg.prompts_per_step * cfg.group_size:
         die(f"--micro-batch {cfg.micro_batch} is larger than the batch "
             f"({cfg.prompts_per_step} x {cfg.group_size}); lower it")
-    if not 0 <= cfg.overlong_buffer < cfg.max_new_tokens:
+    if cfg.algo == "dapo" and not 0 <= cfg.overlong_buffer < cfg.max_new_tokens:
         die(f"--overlong-buffer must be in [0, --max-new-tokens), got {cfg.overlong_buffer}")
     if cfg.temperature <= 0:
         die("--temperature must be > 0 for training (greedy decoding is used for evaluation only)")

@@ -551,3 +551,12 @@ def test_gradient_checkpointing_gives_the_same_update():
     assert saved_numel[1] < saved_numel[0] / 3  # checkpointing really kept fewer activations
     for a, b in zip(*params):
         torch.testing.assert_close(a, b)
+
+
+def test_presets_adapt_to_explicit_flags_and_explicit_flags_win():
+    cfg, _ = S.parse_config(["--prompts-per-step", "2", "--group-size", "3"])
+    assert (cfg.lr, cfg.max_new_tokens, cfg.micro_batch) == (3e-4, 2, 6)  # tiny preset, micro-batch fits the batch
+    cfg, _ = S.parse_config(["--model", "some/hub-model", "--max-new-tokens", "64", "--lr", "2e-6"])
+    assert (cfg.lr, cfg.overlong_buffer, cfg.grad_checkpoint, cfg.group_size) == (2e-6, 16, True, 8)
+    cfg, _ = S.parse_config(["--grad-checkpoint", "false", "--overlong-buffer", "0", "--model", "x/y"])
+    assert cfg.grad_checkpoint is False and cfg.overlong_buffer == 0
