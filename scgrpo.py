@@ -40,7 +40,7 @@ Where this file simplifies or interprets the paper (all are flags or one line):
     does not publish it); the tiny model uses a one-character separator.
 
 Run it:
-    python scgrpo.py --model tiny --task arith               # offline, CPU, ~4 min
+    python scgrpo.py --model tiny --task arith               # offline, CPU, under 2 min
     python scgrpo.py --model Qwen2.5-0.5B --task gsm8k        # one 24 GB GPU
     python scgrpo.py --model tiny --task arith --algo grpo    # the baseline
     python scgrpo.py --resume runs/<run-folder>               # continue a run
@@ -610,7 +610,8 @@ def teacher_kl(model, teacher_prompts, comp_ids, resp_mask, student_hidden, temp
 def policy_loss(logp, old_logp, adv, weights, scale, mask, eps_low, eps_high):
     """J_SC: sum_t f(D_t) * min(rho_t A, clip(rho_t, 1-eps_low, 1+eps_high) A) * scale_t, negated.
     logp, old_logp, weights, scale, mask (B, L); adv (B,). With weights = 1 this is GRPO
-    (scale = 1/(G |o_i|) per group) or DAPO (scale = 1/total tokens). Returns (loss, clip_frac)."""
+    (scale = 1/(G |o_i|) per group) or DAPO (scale = 1/total tokens). Returns (loss, number of
+    tokens whose ratio lies outside the clip range)."""
     # Zero the padding first: a NaN there would otherwise leak into the gradient through where().
     logp, old_logp = logp.masked_fill(~mask, 0.0), old_logp.masked_fill(~mask, 0.0)
     ratio = torch.exp(logp - old_logp)                                                       # rho (B, L)
@@ -618,7 +619,7 @@ def policy_loss(logp, old_logp, adv, weights, scale, mask, eps_low, eps_high):
     term = torch.min(ratio * a, ratio.clamp(1 - eps_low, 1 + eps_high) * a)                 # (B, L)
     per_token = torch.where(mask, weights * term * scale, torch.zeros_like(term))
     clipped = ((ratio < 1 - eps_low) | (ratio > 1 + eps_high)) & mask
-    return -per_token.sum(), clipped.sum() / mask.sum().clamp_min(1)
+    return -per_token.sum(), int(clipped.sum())
 
 # -----------------------------------------------------------------------------
 # Evaluation: greedy accuracy, Avg@k and Pass@k
@@ -836,13 +837,13 @@ def update(model, opt, cfg, items, n_groups, chunk):
             comp_ids, resp_mask = pack(mb)                                                   # (b, L)
             logp = logprobs(mb, comp_ids, resp_mask)                                         # (b, L)
             old_logp = pad_rows([it["old_logp"] for it in mb]) if cfg.ppo_epochs > 1 else logp.detach()
-            loss, clip_frac = policy_loss(
+            loss, n_clipped = policy_loss(
                 logp, old_logp, torch.tensor([it["adv"] for it in mb], device=device),
                 pad_rows([it["weights"] for it in mb]),
                 pad_rows([torch.full((len(it["ids"]),), it["scale"], device=device) for it in mb]),
                 resp_mask, cfg.epsilon, eps_high)
             loss.backward()
-            loss_sum, clip_sum = loss_sum + loss.item(), clip_sum + clip_frac.item() * len(mb)
+            loss_sum, clip_sum = loss_sum + loss.item(), clip_sum + n_clipped
         grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
         if not (math.isfinite(loss_sum) and math.isfinite(grad_norm)):
             break  # a non-finite step is skipped, never applied
@@ -851,7 +852,7 @@ def update(model, opt, cfg, items, n_groups, chunk):
         stepped = True
     opt.zero_grad(set_to_none=True)
     model.eval()  # the sampler needs eval mode: HF turns the KV cache off under checkpointing
-    return loss_sum, clip_sum / max(1, len(items)), grad_norm, stepped
+    return loss_sum, clip_sum / max(1, total_tokens), grad_norm, stepped
 
 
 def train_step(model, opt, tok, cfg, train_rows, batcher, rng, gen, eos_ids):

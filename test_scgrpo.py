@@ -560,3 +560,10 @@ def test_presets_adapt_to_explicit_flags_and_explicit_flags_win():
     assert (cfg.lr, cfg.overlong_buffer, cfg.grad_checkpoint, cfg.group_size) == (2e-6, 16, True, 8)
     cfg, _ = S.parse_config(["--grad-checkpoint", "false", "--overlong-buffer", "0", "--model", "x/y"])
     assert cfg.grad_checkpoint is False and cfg.overlong_buffer == 0
+
+
+def test_clip_count_hand_computed():
+    ratio = torch.tensor([[1.0, 1.1, 1.3, 0.7], [0.85, 1.25, 2.0, 0.1]])
+    mask = torch.tensor([[True, True, True, True], [True, True, True, False]])
+    _, n = S.policy_loss(ratio.log(), torch.zeros(2, 4), torch.ones(2), torch.ones(2, 4), torch.ones(2, 4), mask, 0.2, 0.28)
+    assert n == 3  # 1.3 and 0.7 in row 0, 2.0 in row 1 (1.25 < 1.28; 0.1 is padding)
