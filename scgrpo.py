@@ -375,6 +375,7 @@ def encode_prompt(tok, question, reference=None):
     message, then the same question. One function, so the only difference is visible here."""
     system = "" if is_tiny(tok) else SYSTEM_PROMPT
     if reference is not None:
+        # Eq. (4): teacher(. | s_t, tau) = pi_theta(. | x, tau, o_<t): tau joins the system message
         system += (reference if is_tiny(tok) else GUIDE + reference)
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": question}]
     text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, enable_thinking=False)
@@ -435,7 +436,7 @@ def sample(model, prompts, n, max_new, temperature, eos_ids, pad_id, gen, keep_h
         out = base(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True)
     cache = out.cache
     cache.batch_repeat_interleave(n)
-    h = out.last_hidden_state[:, -1].repeat_interleave(n, 0)                                # (N, H)
+    h = out.last_hidden_state[:, -1].float().repeat_interleave(n, 0)                        # (N, H)
     attn, pos = attn.repeat_interleave(n, 0), pos[:, -1:].repeat_interleave(n, 0)           # (N, P), (N, 1)
     N = h.shape[0]
     comp_ids = torch.full((N, max_new), pad_id, dtype=torch.long, device=device)
@@ -458,7 +459,7 @@ def sample(model, prompts, n, max_new, temperature, eos_ids, pad_id, gen, keep_h
         attn, pos = torch.cat([attn, attn.new_ones(len(alive), 1)], 1), pos + 1
         with autocast(device):
             out = base(input_ids=tok[:, None], attention_mask=attn, position_ids=pos, cache=cache, use_cache=True)
-        h = out.last_hidden_state[:, -1]
+        h = out.last_hidden_state[:, -1].float()
     L = max(1, int(resp_mask.sum(1).max()))
     return comp_ids[:, :L], resp_mask[:, :L], (hidden[:, :L] if keep_hidden else None)
 
@@ -466,12 +467,13 @@ def sample(model, prompts, n, max_new, temperature, eos_ids, pad_id, gen, keep_h
 # Rewards, group advantages and routing
 
 
-def group_advantages(rewards, eps=0.0):
-    """Eq. (1): A_i = (r_i - mean(r)) / std(r) within each group. rewards (num_groups, G) ->
-    (num_groups, G); a group whose rewards are all equal gets exactly 0, not NaN."""
-    mean = rewards.mean(1, keepdim=True)
-    std = rewards.std(1, keepdim=True, unbiased=False)
-    return torch.where(std > 0, (rewards - mean) / (std + eps).clamp_min(1e-12), torch.zeros_like(rewards))
+def group_advantages(rewards):
+    """Group-relative advantages. rewards (num_groups, G) -> (num_groups, G); a group whose
+    rewards are all equal gets exactly 0, not NaN."""
+    mean = rewards.mean(1, keepdim=True)                                                     # (num_groups, 1)
+    std = rewards.std(1, keepdim=True, unbiased=False)                                       # (num_groups, 1)
+    # Eq. (1): A_i = (r_i - mean(r)) / std(r)  -- one scalar per answer, shared by its tokens
+    return torch.where(std > 0, (rewards - mean) / std.clamp_min(1e-12), torch.zeros_like(rewards))
 
 
 def route_groups(rewards, algo):
@@ -519,6 +521,7 @@ def kl_rows_(z_t, z_s):
     ops keep the temporaries to those two buffers (2x faster on a CPU at V = 151,936)."""
     z_t.sub_(z_t.logsumexp(-1, keepdim=True))                                                # log p_t
     z_s.sub_(z_s.logsumexp(-1, keepdim=True)).neg_().add_(z_t)                               # log p_t - log p_s
+    # D = KL(p_t || p_s) = sum_v p_t(v) (log p_t(v) - log p_s(v)); clamp rounding below 0
     return z_t.exp_().mul_(z_s).sum(-1).clamp_min_(0.0)
 
 
@@ -539,6 +542,7 @@ def sc_weights(kl, mask, c_min=1e-4, q=0.75):
     kl, mask (...) -> weights (...) in [0, 1), 0 outside mask; and c. No gradient."""
     active = kl[mask]
     c = max(float(torch.quantile(active.float(), q)) if active.numel() else 0.0, c_min)
+    # f(D) = D / (D + c): tokens above the q-quantile keep more than half their gradient
     return torch.where(mask, kl / (kl + c), torch.zeros_like(kl)).detach(), c
 
 
@@ -551,8 +555,9 @@ def diversity_advantages(weights, lengths, r, alpha=0.1, eps=1e-6):
     others = torch.tensor([i != r for i in range(G)])
     L = torch.minimum(lengths, lengths[r]).clamp_min(1).float()                              # (G,)
     s = weights.sum(1) / L                                                                   # (G,)
-    s_o = s[others]
+    s_o = s[others]                                                                          # (G-1,)
     adv = torch.zeros(G)
+    # Eq. (5): A_div_i = (s_i - mean(s)) / (std(s) + eps), scaled by alpha
     adv[others] = alpha * (s_o - s_o.mean()) / (s_o.std(unbiased=False) + eps)
     return adv
 
@@ -571,7 +576,7 @@ def completion_hidden(model, prompts, comp_ids, resp_mask):
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
     with autocast(device):
         h = model.base_model(input_ids=ids, attention_mask=attn, position_ids=pos).last_hidden_state
-    return h[:, P - 1:-1][resp_mask]                                                         # (n_active, H)
+    return h[:, P - 1:-1][resp_mask].float()  # (n_active, H); fp32 for the fp32 head, outside autocast
 
 
 def vocab_chunk(model):
@@ -615,8 +620,9 @@ def policy_loss(logp, old_logp, adv, weights, scale, mask, eps_low, eps_high):
     # Zero the padding first: a NaN there would otherwise leak into the gradient through where().
     logp, old_logp = logp.masked_fill(~mask, 0.0), old_logp.masked_fill(~mask, 0.0)
     ratio = torch.exp(logp - old_logp)                                                       # rho (B, L)
-    a = adv[:, None]
+    a = adv[:, None]                                                                         # (B, 1)
     term = torch.min(ratio * a, ratio.clamp(1 - eps_low, 1 + eps_high) * a)                 # (B, L)
+    # J_SC = sum_i sum_t scale_it * f(D_it) * min(rho A, clip(rho) A); weights = 1 gives GRPO/DAPO
     per_token = torch.where(mask, weights * term * scale, torch.zeros_like(term))
     clipped = ((ratio < 1 - eps_low) | (ratio > 1 + eps_high)) & mask
     return -per_token.sum(), int(clipped.sum())
