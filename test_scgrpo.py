@@ -567,3 +567,29 @@ def test_clip_count_hand_computed():
     mask = torch.tensor([[True, True, True, True], [True, True, True, False]])
     _, n = S.policy_loss(ratio.log(), torch.zeros(2, 4), torch.ones(2), torch.ones(2, 4), torch.ones(2, 4), mask, 0.2, 0.28)
     assert n == 3  # 1.3 and 0.7 in row 0, 2.0 in row 1 (1.25 < 1.28; 0.1 is padding)
+
+
+def test_ppo_epochs_reuse_frozen_old_logprobs():
+    """mu = 2: the first epoch's ratios are exactly 1 (old log-probs from the same weights), so
+    its update equals the mu = 1 update; the second epoch moves the weights further."""
+    params = {}
+    for mu in (1, 2):
+        model, tok = S.make_tiny(0)
+        cfg = S.Config(algo="grpo", prompts_per_step=16, group_size=16, max_new_tokens=2, micro_batch=64,
+                       lr=1e-2, ppo_epochs=mu)
+        rows, _ = S.make_arith()
+        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+        steps, real_step = [], opt.step
+
+        def recording_step(*a, **k):  # keeps the weights each optimizer step starts from
+            steps.append([p.detach().clone() for p in model.parameters()])
+            return real_step(*a, **k)
+        opt.step = recording_step
+        m, _ = S.train_step(model, opt, tok, cfg, rows, S.Batcher(len(rows), 0), random.Random(0),
+                            torch.Generator().manual_seed(0), [0])
+        assert m["answers_updated"] > 0 and len(steps) == mu
+        params[mu] = [p.detach().clone() for p in model.parameters()]
+        if mu == 2:  # weights before the second step == weights after the mu = 1 run
+            for a, b in zip(steps[1], params[1]):
+                torch.testing.assert_close(a, b)
+    assert any(not torch.equal(a, b) for a, b in zip(params[1], params[2]))
