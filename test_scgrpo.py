@@ -407,9 +407,11 @@ def test_bad_input_exits_2_with_one_line(args, needle, tmp_path, capsys):
     ('{"question": "q", "answer": "#### 1"}\nnot json\n', "line 2 is not valid JSON"),
     ('{"question": "q"}\n', "line 1 lacks"),
     ('{"question": "q", "answer": "just 4"}\n', "does not end in '#### N'"),
+    (None, "train.jsonl not found"),
 ])
 def test_malformed_data_names_file_and_line(content, needle, tmp_path, capsys):
-    write(tmp_path / "d" / "train.jsonl", content)
+    if content is not None:  # None: the folder lacks train.jsonl
+        write(tmp_path / "d" / "train.jsonl", content)
     write(tmp_path / "d" / "test.jsonl", '{"question": "q", "answer": "#### 1"}\n')
     with pytest.raises(SystemExit) as e:
         S.main(["--data", str(tmp_path / "d"), "--out", str(tmp_path / "o")])
@@ -593,3 +595,10 @@ def test_ppo_epochs_reuse_frozen_old_logprobs():
             for a, b in zip(steps[1], params[1]):
                 torch.testing.assert_close(a, b)
     assert any(not torch.equal(a, b) for a, b in zip(params[1], params[2]))
+
+
+def test_prompt_builder_takes_any_model_output_as_reference(tiny):
+    _, tok = tiny
+    for ref in ["", "\\boxed{" * 1000, "#### 1\n#### 2", "\u0663\u00e9\U0001F600 {{", "9" * 100_000]:
+        ids = S.encode_prompt(tok, "3+4=", reference=ref)
+        assert ids[-4:] == tok("3+4=")["input_ids"]  # the question still closes the prompt
