@@ -685,7 +685,7 @@ def write_credit_html(path, step, examples):
     page = (f"<!doctype html><html><head><meta charset='utf-8'><title>SC-GRPO credit, step {step}</title><style>"
             "body{font-family:sans-serif;max-width:1200px;margin:auto}.card{border:1px solid #ccc;padding:8px;"
             "margin:12px 0}.row{display:flex;gap:16px}.col{flex:1;min-width:0}pre{white-space:pre-wrap;"
-            "font-size:14px}</style></head><body>"
+            "font-size:18px;line-height:1.6}span{padding:1px 0}</style></head><body>"
             f"<h2>Token credit at step {step}</h2><p>Darker = larger weight f(D) = D / (D + c); "
             "hover a token for its KL D.</p>" + "".join(cards) + "</body></html>")
     with open(path, "w", encoding="utf-8") as f:

@@ -602,3 +602,12 @@ def test_prompt_builder_takes_any_model_output_as_reference(tiny):
     for ref in ["", "\\boxed{" * 1000, "#### 1\n#### 2", "\u0663\u00e9\U0001F600 {{", "9" * 100_000]:
         ids = S.encode_prompt(tok, "3+4=", reference=ref)
         assert ids[-4:] == tok("3+4=")["input_ids"]  # the question still closes the prompt
+
+
+def test_credit_page_escapes_tokens_and_shades_by_weight(tmp_path):
+    path = str(tmp_path / "c.html")
+    S.write_credit_html(path, 3, [dict(question="q <i>", route="partial", adv=0.5, reward=1.0, tokens=["<b>", "7"],
+                                       weights=[0.25, 0.0], kl=[0.5, 0.0], reference="7 & 8")])
+    page = open(path, encoding="utf-8").read()
+    assert "&lt;b&gt;" in page and "<b>7" not in page and "7 &amp; 8" in page and "q &lt;i&gt;" in page
+    assert 'rgba(230,90,20,0.250)" title="D = 0.5, f(D) = 0.250"' in page
