@@ -957,6 +957,8 @@ def train(cfg, resume=""):
         die(f"--out {cfg.out} already holds a run; continue it with --resume {cfg.out} or pick a new --out")
 
     device = pick_device(cfg.device)
+    # One seed for everything. A CPU run repeats bit for bit (tested); on a GPU some kernels
+    # (attention backward, index_add) are not deterministic, so runs drift apart slowly.
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     if ckpt:
