@@ -437,7 +437,7 @@ def test_bad_input_in_a_subprocess_has_no_traceback():
 
 
 def test_hub_model_without_network_fails_with_one_line(tmp_path):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "empty-cache")}  # no cached copy either
     r = subprocess.run([sys.executable, "scgrpo.py", "--model", "Qwen2.5-0.5B", "--task", "arith",
                         "--out", str(tmp_path / "o")], capture_output=True, text=True, cwd=HERE, env=env, timeout=120)
     assert r.returncode == 2 and "Traceback" not in r.stderr
