@@ -358,6 +358,9 @@ def load_model(name, seed):
     path = MODEL_ALIASES.get(name, name)
     try:
         tok = AutoTokenizer.from_pretrained(path)
+        if not tok.chat_template:  # checked before the weights load: seconds, not minutes
+            die(f"model {path!r} has no chat template, which the student and teacher prompts need; "
+                "use an instruct/chat model (e.g. Qwen2.5-0.5B) or add a template to its tokenizer")
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     except Exception as e:
         die(f"could not load model {path!r} ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}); "

@@ -611,3 +611,13 @@ def test_credit_page_escapes_tokens_and_shades_by_weight(tmp_path):
     page = open(path, encoding="utf-8").read()
     assert "&lt;b&gt;" in page and "<b>7" not in page and "7 &amp; 8" in page and "q &lt;i&gt;" in page
     assert 'rgba(230,90,20,0.250)" title="D = 0.5, f(D) = 0.250"' in page
+
+
+def test_model_without_chat_template_is_refused(tmp_path, capsys):
+    model, tok = S.make_tiny(0)
+    tok.chat_template = None
+    model.save_pretrained(str(tmp_path / "m"))
+    tok.save_pretrained(str(tmp_path / "m"))
+    with pytest.raises(SystemExit) as e:
+        S.main(["--model", str(tmp_path / "m"), "--out", str(tmp_path / "o")])
+    assert e.value.code == 2 and "no chat template" in capsys.readouterr().err
