@@ -743,10 +743,11 @@ def rollout(model, tok, cfg, rows, gen, eos_ids):
     reward = correct.clone()                                                                 # (B, G)
     if cfg.algo == "dapo" and cfg.overlong_buffer:
         reward += overlong_penalty(lengths, cfg.max_new_tokens, cfg.overlong_buffer)
-    rows_of = lambda b: range(b * G, (b + 1) * G)  # noqa: E731  (answers of group b)
+    ids = [c[m] for c, m in zip(comp_ids, resp_mask)]                 # B*G answers, EOS included, no padding
+    states = [h[m] for h, m in zip(hidden, resp_mask)] if hidden is not None else None
     return [dict(row=rows[b], prompt=prompts[b], texts=texts[b * G:(b + 1) * G], correct=correct[b],
-                 reward=reward[b], lengths=lengths[b], ids=[comp_ids[j][resp_mask[j]] for j in rows_of(b)],
-                 hidden=[hidden[j][resp_mask[j]] for j in rows_of(b)] if hidden is not None else None)
+                 reward=reward[b], lengths=lengths[b], ids=ids[b * G:(b + 1) * G],
+                 hidden=states[b * G:(b + 1) * G] if states is not None else None)
             for b in range(len(rows))]
 
 
