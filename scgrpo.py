@@ -760,7 +760,10 @@ def sample_groups(model, tok, cfg, train_rows, batcher, gen, eos_ids):
         rows = [train_rows[i] for i in batcher.take(cfg.prompts_per_step - len(groups))]
         new = rollout(model, tok, cfg, rows, gen, eos_ids)
         sampled += new
-        groups += [g for g in new if cfg.algo != "dapo" or not bool((g["reward"] == g["reward"][0]).all())]
+        if cfg.algo == "dapo":  # keep exactly the groups route_groups would not skip
+            new = [g for g, route in zip(new, route_groups(torch.stack([g["reward"] for g in new]), "dapo"))
+                   if route != "skip"]
+        groups += new
     return groups, sampled, rounds
 
 
@@ -825,7 +828,7 @@ def update(model, opt, cfg, items, n_groups, chunk):
     for it in items:  # DAPO: token-level mean over the batch; GRPO: 1/G sum_i 1/|o_i|, mean over groups
         it["scale"] = 1.0 / total_tokens if cfg.algo == "dapo" else 1.0 / (n_groups * cfg.group_size * len(it["ids"]))
     items = sorted(items, key=lambda it: -(len(it["prompt"]) + len(it["ids"])))
-    mbs = micro_batches(items, cfg.micro_batch)
+    mbs = [(mb, *pack(mb)) for mb in micro_batches(items, cfg.micro_batch)]  # (items, comp_ids, resp_mask)
     eps_high = cfg.epsilon_high or (0.28 if cfg.algo == "dapo" else cfg.epsilon)
 
     def logprobs(mb, comp_ids, resp_mask):  # (b, L), zero outside resp_mask
@@ -835,16 +838,14 @@ def update(model, opt, cfg, items, n_groups, chunk):
 
     if cfg.ppo_epochs > 1:  # old log-probs, frozen for all epochs
         with torch.no_grad():
-            for mb in mbs:
-                comp_ids, resp_mask = pack(mb)
+            for mb, comp_ids, resp_mask in mbs:
                 for it, lp, m in zip(mb, logprobs(mb, comp_ids, resp_mask), resp_mask):
                     it["old_logp"] = lp[m]
     loss_sum, clip_sum, grad_norm, stepped = 0.0, 0.0, 0.0, False
     model.train(cfg.grad_checkpoint)  # HF checkpoints layers only in train mode; Qwen has no dropout
     for _ in range(cfg.ppo_epochs if items else 0):
         loss_sum, clip_sum = 0.0, 0.0
-        for mb in mbs:
-            comp_ids, resp_mask = pack(mb)                                                   # (b, L)
+        for mb, comp_ids, resp_mask in mbs:                                                  # (b, L) each
             logp = logprobs(mb, comp_ids, resp_mask)                                         # (b, L)
             old_logp = pad_rows([it["old_logp"] for it in mb]) if cfg.ppo_epochs > 1 else logp.detach()
             loss, n_clipped = policy_loss(
@@ -989,8 +990,10 @@ def train(cfg, resume=""):
         gen.set_state(st["sampler_rng"])
         batcher.epoch, batcher.pos = st["batcher"]
         start, bad = st["step"] + 1, st["bad_steps"]
-        keep = [ln for ln in open(metrics_path)] if os.path.exists(metrics_path) else []
-        keep = [ln for ln in keep if json.loads(ln)["step"] <= st["step"]]
+        keep = []
+        if os.path.exists(metrics_path):
+            with open(metrics_path) as f:
+                keep = [ln for ln in f if json.loads(ln)["step"] <= st["step"]]
         with open(metrics_path + ".tmp", "w") as f:  # drop lines of steps past the checkpoint: they are re-run
             f.writelines(keep)
         os.replace(metrics_path + ".tmp", metrics_path)
