@@ -143,19 +143,25 @@ def kl_reference(t, s):
     return F.kl_div(s.log_softmax(-1), t.log_softmax(-1), reduction="none", log_target=True).sum(-1)
 
 
-def test_token_kl_matches_kl_div_and_is_zero_for_identical():
+def test_head_kl_matches_kl_div_and_is_zero_for_identical():
     g = torch.Generator().manual_seed(0)
-    t, s = torch.randn(3, 5, 50, generator=g) * 3, torch.randn(3, 5, 50, generator=g) * 3
-    torch.testing.assert_close(S.token_kl(t, s), kl_reference(t, s), rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(S.token_kl(t, s, chunk=4), kl_reference(t, s), rtol=1e-5, atol=1e-6)
-    assert (S.token_kl(t, t) == 0).all()
+    head = torch.nn.Linear(8, 50, bias=False)
+    torch.nn.init.normal_(head.weight, std=1.0, generator=g)
+    h_t, h_s = torch.randn(15, 8, generator=g), torch.randn(15, 8, generator=g)
+    want = kl_reference(head(h_t) / 0.7, head(h_s) / 0.7).detach()
+    for block in (None, 7, 50):  # one block, several with a ragged last one, exactly the vocabulary
+        torch.testing.assert_close(S.head_kl(h_t, h_s, head, 0.7, block), want, rtol=1e-5, atol=1e-6)
+    assert (S.head_kl(h_t, h_t, head, 0.7, 7) == 0).all()
+    assert S.head_kl(h_t[:0], h_s[:0], head, 1.0).shape == (0,)
 
 
-def test_token_kl_chunked_at_qwen_vocabulary():
+def test_head_kl_in_blocks_at_qwen_vocabulary():
     g = torch.Generator().manual_seed(1)
-    V = 151_936
-    t, s = torch.randn(40, V, generator=g), torch.randn(40, V, generator=g)
-    torch.testing.assert_close(S.token_kl(t, s, chunk=16), kl_reference(t, s), rtol=1e-4, atol=1e-5)
+    head = torch.nn.Linear(16, 151_936, bias=False)
+    torch.nn.init.normal_(head.weight, std=0.5, generator=g)
+    h_t, h_s = torch.randn(40, 16, generator=g), torch.randn(40, 16, generator=g)
+    want = kl_reference(head(h_t), head(h_s)).detach()
+    torch.testing.assert_close(S.head_kl(h_t, h_s, head, 1.0, 4096), want, rtol=1e-4, atol=1e-5)
 
 
 def test_sc_weights_hand_computed():
