@@ -63,7 +63,6 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
-from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
 
@@ -416,22 +415,27 @@ def left_pad(seqs, pad_id, device):
 
 def sample_tokens(logits, temperature, gen):
     """Exact sampling from softmax(logits / T) by inverse CDF (7x faster than multinomial
-    at a 151,936 vocabulary); T == 0 is greedy. logits (N, V) fp32, overwritten -> (N,)."""
+    at a 151,936 vocabulary). logits (N, V) fp32, overwritten -> (tokens (N,), lse (N,)), with
+    lse = log sum_v exp(logits_v / T), the log-normaliser SC-GRPO's KL reuses. T == 0: greedy, lse None."""
     if temperature == 0:
-        return logits.argmax(-1)
+        return logits.argmax(-1), None
     z = logits.div_(temperature)
-    cdf = z.sub_(z.amax(-1, keepdim=True)).exp_().cumsum_(-1)  # unnormalised, in place     # (N, V)
-    u = torch.rand(cdf.shape[0], 1, generator=gen, device=cdf.device) * cdf[:, -1:]        # (N, 1), scaled to the total
-    return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=cdf.shape[1] - 1)
+    m = z.amax(-1, keepdim=True)                                                            # (N, 1)
+    cdf = z.sub_(m).exp_().cumsum_(-1)  # unnormalised, in place                            # (N, V)
+    total = cdf[:, -1:]                                                                     # sum_v exp(z_v - m)
+    u = torch.rand(cdf.shape[0], 1, generator=gen, device=cdf.device) * total              # (N, 1)
+    tok = torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=cdf.shape[1] - 1)
+    return tok, (m + total.log()).squeeze(1)
 
 
 @torch.no_grad()
-def sample(model, prompts, n, max_new, temperature, eos_ids, pad_id, gen, keep_hidden=False):
+def sample(model, prompts, n, max_new, temperature, eos_ids, pad_id, gen, keep_states=False):
     """Sample n answers per prompt. Each prompt is prefilled once and its KV cache copied n
     times; rows that emitted EOS leave the batch. Returns comp_ids (B*n, L) padded with pad_id,
     resp_mask (B*n, L) True up to and including the first EOS (set here, never from pad_id,
-    which may equal EOS), and, if asked, the final hidden state at every answer position
-    (B*n, L, H): the student's states s_{i,t}, which the SC-GRPO teacher reuses.
+    which may equal EOS), and, if asked, the student's state at every answer position, which
+    the SC-GRPO teacher reuses: the final hidden state (B*n, L, H) and the log-normaliser of
+    softmax(logits / T) (B*n, L); else None, None.
     The distribution is exactly softmax(logits / T), the one the loss scores: the model's
     generation_config (Qwen2.5-Instruct's sets top-k, top-p and a repetition penalty) is never read."""
     device = next(model.parameters()).device
@@ -447,7 +451,8 @@ def sample(model, prompts, n, max_new, temperature, eos_ids, pad_id, gen, keep_h
     N = h.shape[0]
     comp_ids = torch.full((N, max_new), pad_id, dtype=torch.long, device=device)
     resp_mask = torch.zeros((N, max_new), dtype=torch.bool, device=device)
-    hidden = torch.zeros((N, max_new, h.shape[-1]), dtype=h.dtype, device=device) if keep_hidden else None
+    if keep_states:
+        hidden, lse = torch.zeros((N, max_new, h.shape[-1]), device=device), torch.zeros((N, max_new), device=device)
     eos = torch.tensor(eos_ids, device=device)
     alive = torch.arange(N, device=device)                                                  # rows still sampling
     # One logits buffer for all steps: on a CPU a fresh (N, V) tensor each step is page-faulted
@@ -455,10 +460,10 @@ def sample(model, prompts, n, max_new, temperature, eos_ids, pad_id, gen, keep_h
     logits = torch.empty(N, head.weight.shape[0], device=device)                            # (N, V)
     for t in range(max_new):
         z = torch.matmul(h, head.weight.T, out=logits[:len(alive)])                         # (n_alive, V)
-        tok = sample_tokens(z, temperature, gen)                                            # (n_alive,)
+        tok, lse_t = sample_tokens(z, temperature, gen)                                     # (n_alive,) x2
         comp_ids[alive, t], resp_mask[alive, t] = tok, True
-        if keep_hidden:
-            hidden[alive, t] = h
+        if keep_states:
+            hidden[alive, t], lse[alive, t] = h, lse_t
         done = torch.isin(tok, eos)
         if t == max_new - 1 or bool(done.all()):
             break
@@ -471,7 +476,9 @@ def sample(model, prompts, n, max_new, temperature, eos_ids, pad_id, gen, keep_h
             out = base(input_ids=tok[:, None], attention_mask=attn, position_ids=pos, cache=cache, use_cache=True)
         h = out.last_hidden_state[:, -1].float()
     L = max(1, int(resp_mask.sum(1).max()))
-    return comp_ids[:, :L], resp_mask[:, :L], (hidden[:, :L] if keep_hidden else None)
+    if not keep_states:
+        return comp_ids[:, :L], resp_mask[:, :L], None, None
+    return comp_ids[:, :L], resp_mask[:, :L], hidden[:, :L], lse[:, :L]
 
 # -----------------------------------------------------------------------------
 # Rewards, group advantages and routing
@@ -568,68 +575,90 @@ def completion_hidden(model, prompts, comp_ids, resp_mask):
     return h[:, P - 1:-1][resp_mask].float()  # (n_active, H); fp32 for the fp32 head, outside autocast
 
 
-def vocab_chunk(model):
-    """Rows per (rows, V) fp32 buffer: 16 MB on a CPU, where buffers under glibc's 32 MB mmap
-    threshold are reused instead of page-faulted anew (measured 2x faster), 256 MB on a GPU."""
-    device, V = next(model.parameters()).device, model.get_output_embeddings().weight.shape[0]
-    return max(8, (2 ** 26 if device.type == "cuda" else 2 ** 22) // V)
-
-
 def vocab_block(n_rows, device):
     """LM-head columns per block, so that an (n_rows, block) fp32 buffer is 2 MB on a CPU (it
     stays in cache, and the head's weight is read once per pass instead of once per row chunk:
-    the teacher's KL got 2x faster at V = 151,936) and 256 MB on a GPU."""
+    2x faster at V = 151,936) and 256 MB on a GPU."""
     return max(128, (2 ** 26 if device.type == "cuda" else 2 ** 19) // max(1, n_rows))
 
 
-def head_logprobs(head, h, targets, temperature, chunk):
-    """log softmax(head(h) / T)[target] in chunks of `chunk` rows. Under autograd each chunk
-    is checkpointed, so only h is kept and the (chunk, V) logits are rebuilt in backward:
-    memory stays bounded in the vocabulary. h (N, H), targets (N,) -> (N,) fp32."""
-    def one(hc, tc):
-        logits = head(hc).float().div_(temperature)
-        return logits.gather(-1, tc[:, None]).squeeze(-1) - logits.logsumexp(-1)
-    out = []
-    for i in range(0, h.shape[0], chunk):
-        hc, tc = h[i:i + chunk], targets[i:i + chunk]
-        out.append(checkpoint(one, hc, tc, use_reentrant=False) if torch.is_grad_enabled() else one(hc, tc))
-    return torch.cat(out) if out else h.new_zeros(0, dtype=torch.float32)
+class HeadLogprobs(torch.autograd.Function):
+    """log p(target) = log softmax(h W^T / T)[target] per row, with the LM head W applied one
+    block of vocabulary columns at a time in both passes, so no (N, V) matrix ever exists and
+    only h and the log-normaliser are kept for backward. With z = h W^T / T and p = softmax(z):
+        d log p(t) / d z_v = 1[v = t] - p_v,  so, with g the incoming gradient (N,),
+        grad h = g/T (W_t - sum_v p_v W_v),   grad W_v = sum_n g_n/T (1[v = t_n] - p_nv) h_n."""
+
+    @staticmethod
+    def forward(ctx, h, weight, targets, temperature, block):
+        z_scale = h / temperature                                                          # z = (h / T) W^T
+        m, s = h.new_full((h.shape[0],), -math.inf), h.new_zeros(h.shape[0])               # running max, sum exp(z - m)
+        for j in range(0, weight.shape[0], block):
+            z = z_scale @ weight[j:j + block].T                                            # (N, block)
+            new_m = torch.maximum(m, z.amax(-1))
+            s = s * torch.exp(m - new_m) + z.sub_(new_m[:, None]).exp_().sum(-1)
+            m = new_m
+        lse = m + s.log()                                                                  # log sum_v exp(z_v)
+        ctx.save_for_backward(h, weight, targets, lse)
+        ctx.temperature, ctx.block = temperature, block
+        return (z_scale * weight[targets]).sum(-1) - lse                                   # z_t - lse  (N,)
+
+    @staticmethod
+    def backward(ctx, g):
+        h, weight, targets, lse = ctx.saved_tensors
+        g_t = g / ctx.temperature                                                          # (N,)
+        grad_h = g_t[:, None] * weight[targets]                                            # the 1[v = t] terms
+        grad_w = torch.zeros_like(weight).index_add_(0, targets, g_t[:, None] * h)
+        for j in range(0, weight.shape[0], ctx.block):
+            w = weight[j:j + ctx.block]                                                    # (block, H)
+            q = (h / ctx.temperature @ w.T).sub_(lse[:, None]).exp_().mul_(g_t[:, None])  # g/T p  (N, block)
+            grad_h -= q @ w
+            grad_w[j:j + ctx.block] -= q.T @ h
+        return grad_h, grad_w, None, None, None
+
+
+def head_logprobs(head, h, targets, temperature, block=None):
+    """log softmax(head(h) / T)[target], bounded in the vocabulary (see HeadLogprobs).
+    h (N, H) fp32, targets (N,) -> (N,) fp32."""
+    return HeadLogprobs.apply(h, head.weight, targets, temperature, block or vocab_block(h.shape[0], h.device))
 
 
 @torch.no_grad()
-def head_kl(h_t, h_s, head, temperature, block=None):
-    """D = KL(softmax(z_t / T) || softmax(z_s / T)) per row, z = head(h), over the full
-    vocabulary without an (n, V) matrix: the head is applied one block of vocabulary columns
-    at a time and the softmax sums are carried along ("online softmax"). (n, H) x2 -> (n,).
-    With lse = log sum_v exp(z(v) / T) and p_t = exp(z_t / T - lse_t):
-        D = sum_v p_t(v) (z_t(v) - z_s(v)) / T - lse_t + lse_s.
-    After each block, with m the running max and e = exp(z_t / T - m):
-        lse = m + log sum_v e(v),   sum_v p_t(v) x(v) = sum_v e(v) x(v) / sum_v e(v)."""
-    n, V = h_t.shape[0], head.weight.shape[0]
-    h_t, h_s = h_t.float() / temperature, h_s.float() / temperature                        # z / T = head(h / T)
-    m_t, m_s = h_t.new_full((n,), -math.inf), h_t.new_full((n,), -math.inf)                 # running maxima
-    sum_t, sum_s, dot = h_t.new_zeros(n), h_t.new_zeros(n), h_t.new_zeros(n)
-    block = block or vocab_block(n, h_t.device)
-    for j in range(0, V, block):
+def head_kl(h_t, h_s, lse_s, head, temperature, block=None):
+    """D = KL(softmax(z_t) || softmax(z_s)) per row, z = head(h) / T = h W^T / T, over the full
+    vocabulary in one pass over W, one block of vocabulary rows at a time, with no (n, V)
+    matrix. h_t, h_s (n, H); lse_s (n,) = log sum_v exp z_s(v), which the sampler computed
+    when it drew the token. -> (n,). Because z is linear in h,
+        D = sum_v p_t(v) (z_t(v) - z_s(v)) - lse_t + lse_s
+          = (sum_v p_t(v) W_v) . (h_t - h_s) / T - lse_t + lse_s,
+    so only the teacher's logits are needed. lse_t and the p_t-weighted mean of W's rows are
+    carried along the blocks with a running max m ("online softmax"): with e = exp(z_t - m),
+    lse_t = m + log sum e and sum_v p_t(v) W_v = sum_v e(v) W_v / sum e."""
+    n, H = h_t.shape
+    a = h_t.float() / temperature
+    m, s = a.new_full((n,), -math.inf), a.new_zeros(n)                                      # running max, sum e
+    w_mean = a.new_zeros(n, H)                                                              # running sum_v e(v) W_v
+    block = block or vocab_block(n, a.device)
+    for j in range(0, head.weight.shape[0], block):
         w = head.weight[j:j + block].float()                                                # (block, H)
-        z_t, z_s = h_t @ w.T, h_s @ w.T                                                     # (n, block)
-        new_t, new_s = torch.maximum(m_t, z_t.amax(-1)), torch.maximum(m_s, z_s.amax(-1))
-        decay_t = torch.exp(m_t - new_t)                         # rescales the sums so far to the new max
-        e = torch.exp(z_t - new_t[:, None])                                                 # (n, block)
-        sum_t = sum_t * decay_t + e.sum(-1)
-        dot = dot * decay_t + e.mul_(z_t.sub_(z_s)).sum(-1)                                 # sum e (z_t - z_s) / T
-        sum_s = sum_s * torch.exp(m_s - new_s) + z_s.sub_(new_s[:, None]).exp_().sum(-1)
-        m_t, m_s = new_t, new_s
-    # grouped so that identical inputs give exactly 0; clamp rounding below 0
-    return (dot / sum_t + (m_s - m_t) + (sum_s.log() - sum_t.log())).clamp_min_(0.0)
+        z = a @ w.T                                                                         # (n, block)
+        new_m = torch.maximum(m, z.amax(-1))
+        decay = torch.exp(m - new_m)                                # rescales the sums so far to the new max
+        e = z.sub_(new_m[:, None]).exp_()                                                   # (n, block)
+        s, w_mean = s * decay + e.sum(-1), w_mean * decay[:, None] + e @ w
+        m = new_m
+    lse_t = m + s.log()
+    dot = ((w_mean / s[:, None]) * (h_t.float() - h_s.float())).sum(-1) / temperature       # sum p_t (z_t - z_s)
+    return (dot + (lse_s - lse_t)).clamp_min_(0.0)  # clamp rounding below 0
 
 
 @torch.no_grad()
-def teacher_kl(model, teacher_prompts, comp_ids, resp_mask, student_hidden, temperature):
+def teacher_kl(model, teacher_prompts, comp_ids, resp_mask, h_s, lse_s, temperature):
     """D_{i,t} for each active token: the teacher (same model, reference in its prompt, Eq. 4)
-    scores the same answer tokens; the student's states come from the sampler. -> (n_active,)"""
+    scores the same answer tokens; the student's states h_s, lse_s (n_active, H), (n_active,)
+    come from the sampler. -> (n_active,)"""
     h_t = completion_hidden(model, teacher_prompts, comp_ids, resp_mask)                     # (n, H)
-    return head_kl(h_t, student_hidden[resp_mask], model.get_output_embeddings(), temperature)
+    return head_kl(h_t, h_s, lse_s, model.get_output_embeddings(), temperature)
 
 
 def policy_loss(logp, old_logp, adv, weights, scale, mask, eps_low, eps_high):
@@ -670,7 +699,7 @@ def evaluate(model, tok, rows, cfg, eos_ids, k):
         for n, temp, into in ((1, 0.0, greedy), (k, cfg.temperature, sampled)):
             if n == 0:
                 continue
-            comp_ids, resp_mask, _ = sample(model, prompts, n, cfg.max_new_tokens, temp, eos_ids, tok.pad_token_id, gen)
+            comp_ids, resp_mask, _, _ = sample(model, prompts, n, cfg.max_new_tokens, temp, eos_ids, tok.pad_token_id, gen)
             texts = decode(tok, comp_ids, resp_mask)
             into.extend(verify(t, batch[j // n]["answer"]) for j, t in enumerate(texts))
             if n == 1 and not shown:
@@ -752,8 +781,8 @@ def rollout(model, tok, cfg, rows, gen, eos_ids):
     """Sample G answers for each row and grade them. -> list of group dicts."""
     G = cfg.group_size
     prompts = [encode_prompt(tok, r["question"]) for r in rows]
-    comp_ids, resp_mask, hidden = sample(model, prompts, G, cfg.max_new_tokens, cfg.temperature, eos_ids,
-                                         tok.pad_token_id, gen, keep_hidden=cfg.algo == "scgrpo")
+    comp_ids, resp_mask, hidden, lse = sample(model, prompts, G, cfg.max_new_tokens, cfg.temperature, eos_ids,
+                                              tok.pad_token_id, gen, keep_states=cfg.algo == "scgrpo")
     texts = decode(tok, comp_ids, resp_mask)
     correct = torch.tensor([verify(t, rows[j // G]["answer"]) for j, t in enumerate(texts)]).view(-1, G).float()
     lengths = resp_mask.sum(1).cpu().view(-1, G)                                             # (B, G)
@@ -761,10 +790,10 @@ def rollout(model, tok, cfg, rows, gen, eos_ids):
     if cfg.algo == "dapo" and cfg.overlong_buffer:
         reward += overlong_penalty(lengths, cfg.max_new_tokens, cfg.overlong_buffer)
     ids = [c[m] for c, m in zip(comp_ids, resp_mask)]                 # B*G answers, EOS included, no padding
-    states = [h[m] for h, m in zip(hidden, resp_mask)] if hidden is not None else None
+    states = [(h[m], l[m]) for h, l, m in zip(hidden, lse, resp_mask)] if hidden is not None else None
     return [dict(row=rows[b], prompt=prompts[b], texts=texts[b * G:(b + 1) * G], correct=correct[b],
                  reward=reward[b], lengths=lengths[b], ids=ids[b * G:(b + 1) * G],
-                 hidden=states[b * G:(b + 1) * G] if states is not None else None)
+                 states=states[b * G:(b + 1) * G] if states is not None else None)  # (hidden, lse) per answer
             for b in range(len(rows))]
 
 
@@ -817,8 +846,8 @@ def self_condition(model, tok, cfg, groups, items):
         it["active"] = torch.arange(len(it["ids"]), device=it["ids"].device) < n_active      # (L_i,)
     for mb in micro_batches(routed, cfg.micro_batch):
         comp_ids, resp_mask = pack(mb)                                                       # (b, L)
-        student_hidden = pad_rows([groups[it["group"]]["hidden"][it["i"]] for it in mb])     # (b, L, H)
-        kl = teacher_kl(model, [it["teacher_prompt"] for it in mb], comp_ids, resp_mask, student_hidden,
+        h_s, lse_s = (torch.cat(x) for x in zip(*[groups[it["group"]]["states"][it["i"]] for it in mb]))
+        kl = teacher_kl(model, [it["teacher_prompt"] for it in mb], comp_ids, resp_mask, h_s, lse_s,
                         cfg.temperature)                                                     # (n_active,)
         for it, d in zip(mb, kl.split([len(it["ids"]) for it in mb])):
             it["kl"] = d
@@ -837,7 +866,7 @@ def self_condition(model, tok, cfg, groups, items):
     return dict(kl_p50=p50, kl_p75=p75, kl_p95=p95, c=c, weight_mean=float(weights[active].mean()))
 
 
-def update(model, opt, cfg, items, n_groups, chunk):
+def update(model, opt, cfg, items, n_groups):
     """ppo_epochs AdamW steps on the clipped objective, gradients accumulated over micro-batches
     (longest first, so a memory problem shows at once). -> (loss, clip_frac, grad_norm, stepped)"""
     head, device = model.get_output_embeddings(), next(model.parameters()).device
@@ -850,7 +879,7 @@ def update(model, opt, cfg, items, n_groups, chunk):
 
     def logprobs(mb, comp_ids, resp_mask):  # (b, L), zero outside resp_mask
         h = completion_hidden(model, [it["prompt"] for it in mb], comp_ids, resp_mask)       # (n_active, H)
-        lp = head_logprobs(head, h, comp_ids[resp_mask], cfg.temperature, chunk)             # (n_active,)
+        lp = head_logprobs(head, h, comp_ids[resp_mask], cfg.temperature)                    # (n_active,)
         return torch.zeros(resp_mask.shape, device=device).masked_scatter(resp_mask, lp)
 
     if cfg.ppo_epochs > 1:  # old log-probs, frozen for all epochs
@@ -886,7 +915,6 @@ def update(model, opt, cfg, items, n_groups, chunk):
 def train_step(model, opt, tok, cfg, train_rows, batcher, rng, gen, eos_ids):
     """One update: sample -> reward -> advantages and routes -> (SC-GRPO) teacher KL and
     weights -> clipped update. Returns (metrics, credit-view examples)."""
-    chunk = vocab_chunk(model)
     t0 = time.time()
     groups, sampled, rounds = sample_groups(model, tok, cfg, train_rows, batcher, gen, eos_ids)
     t1 = time.time()
@@ -897,7 +925,7 @@ def train_step(model, opt, tok, cfg, train_rows, batcher, rng, gen, eos_ids):
     routed = any(it["ref"] is not None for it in items)
     sc_stats = self_condition(model, tok, cfg, groups, items) if routed else {}
     t2 = time.time()
-    loss, clip_frac, grad_norm, stepped = update(model, opt, cfg, items, len(groups), chunk)
+    loss, clip_frac, grad_norm, stepped = update(model, opt, cfg, items, len(groups))
     metrics = dict(
         reward_mean=float(torch.stack([g["correct"] for g in sampled]).mean()), loss=loss, grad_norm=grad_norm,
         clip_frac=clip_frac, len_mean=float(torch.stack([g["lengths"] for g in sampled]).float().mean()),

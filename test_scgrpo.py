@@ -143,16 +143,18 @@ def kl_reference(t, s):
     return F.kl_div(s.log_softmax(-1), t.log_softmax(-1), reduction="none", log_target=True).sum(-1)
 
 
-def test_head_kl_matches_kl_div_and_is_zero_for_identical():
+def test_head_kl_matches_kl_div_and_vanishes_for_identical_states():
     g = torch.Generator().manual_seed(0)
     head = torch.nn.Linear(8, 50, bias=False)
     torch.nn.init.normal_(head.weight, std=1.0, generator=g)
     h_t, h_s = torch.randn(15, 8, generator=g), torch.randn(15, 8, generator=g)
-    want = kl_reference(head(h_t) / 0.7, head(h_s) / 0.7).detach()
+    with torch.no_grad():
+        want = kl_reference(head(h_t) / 0.7, head(h_s) / 0.7)
+        lse_t, lse_s = torch.logsumexp(head(h_t) / 0.7, -1), torch.logsumexp(head(h_s) / 0.7, -1)
     for block in (None, 7, 50):  # one block, several with a ragged last one, exactly the vocabulary
-        torch.testing.assert_close(S.head_kl(h_t, h_s, head, 0.7, block), want, rtol=1e-5, atol=1e-6)
-    assert (S.head_kl(h_t, h_t, head, 0.7, 7) == 0).all()
-    assert S.head_kl(h_t[:0], h_s[:0], head, 1.0).shape == (0,)
+        torch.testing.assert_close(S.head_kl(h_t, h_s, lse_s, head, 0.7, block), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(S.head_kl(h_t, h_t, lse_t, head, 0.7, 7), torch.zeros(15), rtol=0, atol=1e-5)
+    assert S.head_kl(h_t[:0], h_s[:0], lse_s[:0], head, 1.0).shape == (0,)
 
 
 def test_head_kl_in_blocks_at_qwen_vocabulary():
@@ -160,8 +162,9 @@ def test_head_kl_in_blocks_at_qwen_vocabulary():
     head = torch.nn.Linear(16, 151_936, bias=False)
     torch.nn.init.normal_(head.weight, std=0.5, generator=g)
     h_t, h_s = torch.randn(40, 16, generator=g), torch.randn(40, 16, generator=g)
-    want = kl_reference(head(h_t), head(h_s)).detach()
-    torch.testing.assert_close(S.head_kl(h_t, h_s, head, 1.0, 4096), want, rtol=1e-4, atol=1e-5)
+    with torch.no_grad():
+        want, lse_s = kl_reference(head(h_t), head(h_s)), torch.logsumexp(head(h_s), -1)
+    torch.testing.assert_close(S.head_kl(h_t, h_s, lse_s, head, 1.0, 4096), want, rtol=1e-4, atol=1e-5)
 
 
 def test_sc_weights_hand_computed():
@@ -252,18 +255,22 @@ def test_dapo_token_level_loss_is_independent_of_micro_batch_split():
 # ----------------------------------------------------------------------------- model paths
 
 
-def test_chunked_logprobs_equal_unchunked(tiny):
-    model, _ = tiny
-    head = model.get_output_embeddings()
+def test_blocked_logprobs_and_gradients_equal_full_logits():
     g = torch.Generator().manual_seed(0)
-    h, targets = torch.randn(37, 64, generator=g), torch.randint(0, 15, (37,), generator=g)
+    head = torch.nn.Linear(16, 50, bias=False)
+    torch.nn.init.normal_(head.weight, std=1.0, generator=g)
+    h, targets = torch.randn(37, 16, generator=g, requires_grad=True), torch.randint(0, 50, (37,), generator=g)
+    upstream = torch.randn(37, generator=g)  # a gradient that is not all ones
     want = F.log_softmax(head(h) / 0.7, -1).gather(-1, targets[:, None]).squeeze(-1)
-    torch.testing.assert_close(S.head_logprobs(head, h, targets, 0.7, chunk=5), want)
-    h.requires_grad_()  # the checkpointed path gives the same values and gradients
-    got = S.head_logprobs(head, h, targets, 0.7, chunk=5)
-    (g1,) = torch.autograd.grad(got.sum(), h)
-    (g2,) = torch.autograd.grad(F.log_softmax(head(h) / 0.7, -1).gather(-1, targets[:, None]).sum(), h)
-    torch.testing.assert_close(g1, g2)
+    want_h, want_w = torch.autograd.grad((want * upstream).sum(), (h, head.weight))
+    for block in (None, 7, 50):  # one block, several with a ragged last one, exactly the vocabulary
+        got = S.head_logprobs(head, h, targets, 0.7, block)
+        torch.testing.assert_close(got, want)
+        got_h, got_w = torch.autograd.grad((got * upstream).sum(), (h, head.weight))
+        torch.testing.assert_close(got_h, want_h)
+        torch.testing.assert_close(got_w, want_w)
+    h64, w64 = h.detach()[:6].double().requires_grad_(), head.weight.detach()[:12].double().requires_grad_()
+    assert torch.autograd.gradcheck(lambda a, b: S.HeadLogprobs.apply(a, b, targets[:6] % 12, 0.7, 5), (h64, w64))
 
 
 def test_left_padding_does_not_change_completion_logprobs(tiny):
@@ -289,7 +296,7 @@ def test_sampler_mask_stops_at_first_eos_even_when_pad_equals_eos(tiny):
         model.get_output_embeddings().weight[0] += 0.5 * model.get_output_embeddings().weight[2]
     gen = torch.Generator().manual_seed(0)
     prompts = [tok("3+4=")["input_ids"], tok("12+7=")["input_ids"]]
-    comp, mask, hidden = S.sample(model, prompts, 32, 8, 1.0, [0], 0, gen, keep_hidden=True)
+    comp, mask, hidden, _ = S.sample(model, prompts, 32, 8, 1.0, [0], 0, gen, keep_states=True)
     assert comp.shape[0] == 64 and hidden.shape[:2] == comp.shape
     n_inside = 0
     for ids, m in zip(comp.tolist(), mask.tolist()):
@@ -302,23 +309,25 @@ def test_sampler_mask_stops_at_first_eos_even_when_pad_equals_eos(tiny):
         model.get_output_embeddings().weight[0] -= 0.5 * model.get_output_embeddings().weight[2]
 
 
-def test_sampler_hidden_states_give_the_full_forward_logprobs(tiny):
+def test_sampler_states_give_the_full_forward_logprobs_and_normalisers(tiny):
     model, tok = tiny
     gen = torch.Generator().manual_seed(1)
     prompts = [tok("3+4=")["input_ids"], tok("19+7=")["input_ids"]]
-    comp, mask, hidden = S.sample(model, prompts, 3, 5, 1.0, [0], 0, gen, keep_hidden=True)
+    comp, mask, hidden, lse = S.sample(model, prompts, 3, 5, 0.7, [0], 0, gen, keep_states=True)
     head = model.get_output_embeddings()
     with torch.no_grad():
-        from_sampler = S.head_logprobs(head, hidden[mask], comp[mask], 1.0, 64)
-        full = S.head_logprobs(head, S.completion_hidden(model, [p for p in prompts for _ in range(3)], comp, mask),
-                               comp[mask], 1.0, 64)
+        from_sampler = S.head_logprobs(head, hidden[mask], comp[mask], 0.7)
+        full_h = S.completion_hidden(model, [p for p in prompts for _ in range(3)], comp, mask)
+        full = S.head_logprobs(head, full_h, comp[mask], 0.7)
+        full_lse = torch.logsumexp(head(full_h) / 0.7, -1)
     torch.testing.assert_close(from_sampler, full, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(lse[mask], full_lse, rtol=1e-4, atol=1e-5)
 
 
 def test_greedy_sampler_matches_generate(tiny):
     model, tok = tiny
     prompts = [tok("3+4=")["input_ids"], tok("12+7=1")["input_ids"], tok("8=")["input_ids"]]
-    comp, mask, _ = S.sample(model, prompts, 1, 6, 0.0, [0], 0, None)
+    comp, mask, _, _ = S.sample(model, prompts, 1, 6, 0.0, [0], 0, None)
     ids, attn = S.left_pad(prompts, 0, "cpu")
     out = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=6, do_sample=False,
                          eos_token_id=0, pad_token_id=0)[:, ids.shape[1]:]
@@ -329,9 +338,11 @@ def test_greedy_sampler_matches_generate(tiny):
 
 def test_inverse_cdf_sampler_matches_the_distribution():
     logits = torch.log(torch.tensor([[0.1, 0.0, 0.6, 0.3]]).clamp_min(1e-30)).repeat(20_000, 1)
-    draws = S.sample_tokens(logits, 1.0, torch.Generator().manual_seed(0))
+    want_lse = torch.logsumexp(logits / 0.5, -1)
+    draws, lse = S.sample_tokens(logits.clone(), 1.0, torch.Generator().manual_seed(0))
     freq = torch.bincount(draws, minlength=4).float() / len(draws)
     torch.testing.assert_close(freq, torch.tensor([0.1, 0.0, 0.6, 0.3]), atol=0.015, rtol=0)
+    torch.testing.assert_close(S.sample_tokens(logits, 0.5, torch.Generator())[1], want_lse)
 
 
 def test_teacher_prompt_holds_the_reference_and_student_prompt_does_not(tiny):
