@@ -21,8 +21,9 @@ Where this file simplifies or interprets the paper (all are flags or one line):
     group, can be computed before the loss).
  2. D is measured once per step, before the update, with the weights that
     sampled (pi_theta = pi_old at the first PPO epoch). The student's
-    distributions come from the sampler's own hidden states, so SC-GRPO costs
-    exactly one extra forward pass: the teacher's (paper: "one extra pass").
+    distributions come from the sampler (its hidden states and log-normalisers),
+    so SC-GRPO costs exactly one extra forward pass: the teacher's (paper: "one
+    extra pass").
  3. Solve-none groups: the reference o_r itself gets advantage 0 and no
     gradient, because its teacher context contains its own text, so its KL
     measures copying, not diversity.
@@ -576,32 +577,32 @@ def completion_hidden(model, prompts, comp_ids, resp_mask):
 
 
 def vocab_block(n_rows, device):
-    """LM-head columns per block, so that an (n_rows, block) fp32 buffer is 2 MB on a CPU (it
-    stays in cache, and the head's weight is read once per pass instead of once per row chunk:
-    2x faster at V = 151,936) and 256 MB on a GPU."""
+    """Vocabulary entries (rows of the LM head's weight W) per block, so that an (n_rows, block)
+    fp32 buffer is 2 MB on a CPU (it stays in cache, and W is read once per pass instead of once
+    per chunk of rows: measured 2x faster at V = 151,936) and 256 MB on a GPU."""
     return max(128, (2 ** 26 if device.type == "cuda" else 2 ** 19) // max(1, n_rows))
 
 
 class HeadLogprobs(torch.autograd.Function):
     """log p(target) = log softmax(h W^T / T)[target] per row, with the LM head W applied one
-    block of vocabulary columns at a time in both passes, so no (N, V) matrix ever exists and
+    block of vocabulary entries at a time in both passes, so no (N, V) matrix ever exists and
     only h and the log-normaliser are kept for backward. With z = h W^T / T and p = softmax(z):
         d log p(t) / d z_v = 1[v = t] - p_v,  so, with g the incoming gradient (N,),
         grad h = g/T (W_t - sum_v p_v W_v),   grad W_v = sum_n g_n/T (1[v = t_n] - p_nv) h_n."""
 
     @staticmethod
     def forward(ctx, h, weight, targets, temperature, block):
-        z_scale = h / temperature                                                          # z = (h / T) W^T
+        a = h / temperature                                                                # z = a W^T
         m, s = h.new_full((h.shape[0],), -math.inf), h.new_zeros(h.shape[0])               # running max, sum exp(z - m)
         for j in range(0, weight.shape[0], block):
-            z = z_scale @ weight[j:j + block].T                                            # (N, block)
+            z = a @ weight[j:j + block].T                                                  # (N, block)
             new_m = torch.maximum(m, z.amax(-1))
             s = s * torch.exp(m - new_m) + z.sub_(new_m[:, None]).exp_().sum(-1)
             m = new_m
         lse = m + s.log()                                                                  # log sum_v exp(z_v)
         ctx.save_for_backward(h, weight, targets, lse)
         ctx.temperature, ctx.block = temperature, block
-        return (z_scale * weight[targets]).sum(-1) - lse                                   # z_t - lse  (N,)
+        return (a * weight[targets]).sum(-1) - lse                                         # z_t - lse  (N,)
 
     @staticmethod
     def backward(ctx, g):
@@ -626,7 +627,7 @@ def head_logprobs(head, h, targets, temperature, block=None):
 @torch.no_grad()
 def head_kl(h_t, h_s, lse_s, head, temperature, block=None):
     """D = KL(softmax(z_t) || softmax(z_s)) per row, z = head(h) / T = h W^T / T, over the full
-    vocabulary in one pass over W, one block of vocabulary rows at a time, with no (n, V)
+    vocabulary in one pass over W, one block of vocabulary entries at a time, with no (n, V)
     matrix. h_t, h_s (n, H); lse_s (n,) = log sum_v exp z_s(v), which the sampler computed
     when it drew the token. -> (n,). Because z is linear in h,
         D = sum_v p_t(v) (z_t(v) - z_s(v)) - lse_t + lse_s
@@ -637,7 +638,7 @@ def head_kl(h_t, h_s, lse_s, head, temperature, block=None):
     n, H = h_t.shape
     a = h_t.float() / temperature
     m, s = a.new_full((n,), -math.inf), a.new_zeros(n)                                      # running max, sum e
-    w_mean = a.new_zeros(n, H)                                                              # running sum_v e(v) W_v
+    w_sum = a.new_zeros(n, H)                                                               # running sum_v e(v) W_v
     block = block or vocab_block(n, a.device)
     for j in range(0, head.weight.shape[0], block):
         w = head.weight[j:j + block].float()                                                # (block, H)
@@ -645,10 +646,10 @@ def head_kl(h_t, h_s, lse_s, head, temperature, block=None):
         new_m = torch.maximum(m, z.amax(-1))
         decay = torch.exp(m - new_m)                                # rescales the sums so far to the new max
         e = z.sub_(new_m[:, None]).exp_()                                                   # (n, block)
-        s, w_mean = s * decay + e.sum(-1), w_mean * decay[:, None] + e @ w
+        s, w_sum = s * decay + e.sum(-1), w_sum * decay[:, None] + e @ w
         m = new_m
     lse_t = m + s.log()
-    dot = ((w_mean / s[:, None]) * (h_t.float() - h_s.float())).sum(-1) / temperature       # sum p_t (z_t - z_s)
+    dot = ((w_sum / s[:, None]) * (h_t.float() - h_s.float())).sum(-1) / temperature       # sum p_t (z_t - z_s)
     return (dot + (lse_s - lse_t)).clamp_min_(0.0)  # clamp rounding below 0
 
 
