@@ -15,6 +15,7 @@ Peak memory is the process's peak RSS on CPU, torch.cuda.max_memory_allocated on
 import argparse
 import json
 import os
+import random
 import resource
 import statistics
 import subprocess
@@ -50,7 +51,7 @@ def run_ours(args, algo):
     if cfg.grad_checkpoint:
         model.activation_checkpointing_enable({"use_reentrant": False})
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    batcher, rng, gen = S.Batcher(len(train_rows), 0), __import__("random").Random(0), torch.Generator(device).manual_seed(0)
+    batcher, rng, gen = S.Batcher(len(train_rows), 0), random.Random(0), torch.Generator(device).manual_seed(0)
     rows = []
     for step in range(args.steps + 1):
         t0 = time.time()

@@ -8,11 +8,14 @@ steps to first reach 50% greedy accuracy.
 
 Each run is `scgrpo.py --model tiny --task arith --algo A --seed S` in its own process with one
 thread, so the numbers repeat for the same seeds on the same machine. Runs land in
-runs/compare/<algo>-s<seed>; a finished run is read back instead of re-run.
+runs/compare/<algo>-s<seed>; a finished run is read back instead of re-run, but only if
+scgrpo.py and the flags are unchanged since it ran (a fingerprint of both is saved with it).
 """
 import argparse
+import hashlib
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -23,16 +26,23 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def run_one(algo, seed, out_root, extra):
     out = os.path.join(out_root, f"{algo}-s{seed}")
-    metrics = os.path.join(out, "metrics.jsonl")
-    if not os.path.isfile(os.path.join(out, "final", "config.json")):
-        if os.path.exists(out):
-            subprocess.run(["rm", "-rf", out], check=True)
+    metrics, stamp = os.path.join(out, "metrics.jsonl"), os.path.join(out, "fingerprint.txt")
+    with open(os.path.join(HERE, "scgrpo.py"), "rb") as f:
+        fingerprint = hashlib.sha256(f.read() + repr(extra).encode()).hexdigest()
+    saved = ""
+    if os.path.isfile(os.path.join(out, "final", "config.json")) and os.path.isfile(stamp):
+        with open(stamp) as f:
+            saved = f.read()
+    if saved != fingerprint:  # not run yet, unfinished, or run by other code or flags
+        shutil.rmtree(out, ignore_errors=True)
         cmd = [sys.executable, os.path.join(HERE, "scgrpo.py"), "--model", "tiny", "--task", "arith", "--algo", algo,
                "--seed", str(seed), "--eval-every", "100", "--eval-k", "8", "--out", out, *extra]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
         r = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if r.returncode != 0:
             sys.exit(f"error: {' '.join(cmd)} failed:\n{r.stderr[-2000:]}")
+        with open(stamp, "w") as f:
+            f.write(fingerprint)
     with open(metrics) as f:
         evals = [m for m in map(json.loads, f) if "eval_greedy_acc" in m]
     reached = [m["step"] for m in evals if m["eval_greedy_acc"] >= 0.5]
