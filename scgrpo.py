@@ -559,7 +559,7 @@ def diversity_advantages(weights, lengths, r, alpha=0.1, eps=1e-6):
     return adv
 
 # -----------------------------------------------------------------------------
-# Log-probs and the clipped loss, bounded in the vocabulary
+# Log-probs, the teacher's KL and the clipped loss, bounded in the vocabulary
 
 
 def completion_hidden(model, prompts, comp_ids, resp_mask):
