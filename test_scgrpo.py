@@ -289,6 +289,43 @@ def test_left_padding_does_not_change_completion_logprobs(tiny):
     torch.testing.assert_close(got, torch.cat(want), rtol=1e-5, atol=1e-5)
 
 
+def test_shared_prefix_hidden_equals_one_forward_per_answer(tiny):
+    model, tok = tiny
+    prompts = [tok("3+4=9;")["input_ids"], tok("1=")["input_ids"], tok("12+7=19;5+5=")["input_ids"]]
+    comps = [[9, 2], [3, 4, 5, 6], [7], [2, 2, 2], [5, 0]]
+    prompt_of = torch.tensor([2, 0, 2, 1, 0])  # answers share prompts, in any order
+    comp_ids = S.pad_rows([torch.tensor(c) for c in comps])
+    mask = S.pad_rows([torch.ones(len(c), dtype=torch.bool) for c in comps], False)
+    with torch.no_grad():
+        want = S.completion_hidden(model, [prompts[k] for k in prompt_of], comp_ids, mask)
+        got = S.shared_prefix_hidden(model, prompts, prompt_of, comp_ids, mask)
+        one = S.shared_prefix_hidden(model, prompts, prompt_of[2:3], comp_ids[2:3, :1], mask[2:3, :1])
+    assert got.shape == (mask.sum(), 64)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(one, want[6:7], rtol=1e-5, atol=1e-5)  # one-token answers need no second pass
+
+
+def test_self_condition_kl_equals_one_teacher_forward_per_answer(tiny):
+    """The shared-prefill teacher pass gives the D of the plain computation: each answer run
+    after its own teacher prompt, full forward, KL against the sampler's student states."""
+    model, tok = tiny
+    cfg = S.Config(algo="scgrpo", group_size=4, max_new_tokens=3, micro_batch=3)
+    groups = S.rollout(model, tok, cfg, S.make_arith()[0][:2], torch.Generator().manual_seed(3), [0])
+    groups[0]["correct"], groups[1]["correct"] = torch.tensor([1.0, 1.0, 0.0, 1.0]), torch.zeros(4)
+    adv = S.group_advantages(torch.stack([g["correct"] for g in groups]))
+    items = S.make_items(groups, ["partial", "none"], adv, random.Random(0))
+    S.self_condition(model, tok, cfg, groups, items)
+    assert len(items) == 7
+    head = model.get_output_embeddings()
+    for it in items:
+        g = groups[it["group"]]
+        prompt = S.encode_prompt(tok, g["row"]["question"], reference=g["texts"][it["ref"]])
+        with torch.no_grad():
+            h_t = S.completion_hidden(model, [prompt], it["ids"][None], torch.ones(1, len(it["ids"]), dtype=torch.bool))
+            want = S.head_kl(h_t, *g["states"][it["i"]], head, cfg.temperature)
+        torch.testing.assert_close(it["kl"], want, rtol=1e-4, atol=1e-5)
+
+
 def test_sampler_mask_stops_at_first_eos_even_when_pad_equals_eos(tiny):
     model, tok = tiny
     assert tok.pad_token_id == tok.eos_token_id == 0
