@@ -1,15 +1,16 @@
 """
-Compare GRPO, DAPO and SC-GRPO with the same budget over several seeds, and print a Markdown
-table: mean +- std over seeds of the final greedy accuracy, Avg@8, Pass@8, and the number of
-steps to first reach 50% greedy accuracy.
+Compare GRPO, DAPO and SC-GRPO with the same budget over several seeds: a Markdown table of
+mean +- std over seeds (final greedy accuracy, Avg@8, Pass@8, steps to a target accuracy, the
+median kl_p75 of SC-GRPO) and, with --plot, a PNG of held-out greedy accuracy against step.
 
-    python compare.py                          # tiny / arith, 5 seeds, 2 runs at a time
+    python compare.py                               # tiny / arith, 5 seeds: 9.5 minutes
+    python compare.py --study smollm2 --plot runs/compare-smollm2/curve.png   # real model, 3 seeds
     python compare.py --seeds 0 1 --jobs 1 -- --steps 500     # flags after -- go to scgrpo.py
 
-Each run is `scgrpo.py --model tiny --task arith --algo A --seed S` in its own process with one
-thread, so the numbers repeat for the same seeds on the same machine. Runs land in
-runs/compare/<algo>-s<seed>; a finished run is read back instead of re-run, but only if
-scgrpo.py and the flags are unchanged since it ran (a fingerprint of both is saved with it).
+Each run is scgrpo.py in its own process with one thread, `--jobs` at a time, so the numbers
+repeat for the same seeds on the same machine. Runs land in <out>/<algo>-s<seed>; a finished
+run is read back instead of re-run, but only if scgrpo.py and the flags are unchanged since it
+ran (a fingerprint of both is saved with it).
 """
 import argparse
 import hashlib
@@ -23,20 +24,33 @@ from concurrent.futures import ThreadPoolExecutor
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
+# Each study: the scgrpo.py flags every run shares, the seeds, and when a run has "got there":
+# `reach` is an absolute greedy accuracy, `gain` a rise over the run's own step-0 accuracy.
+STUDIES = {
+    "tiny": dict(flags=["--model", "tiny", "--task", "arith", "--eval-every", "100", "--eval-k", "8"],
+                 seeds=[0, 1, 2, 3, 4], reach=0.5, gain=None),
+    # The SmolLM2 CPU preset, shortened to 10 steps so 9 runs fit in an hour on 2 cores.
+    # Greedy accuracy every 2 steps on the preset's 100 held-out questions; Avg@8 and Pass@8 of the
+    # final model only (k samples of 64-token answers at every evaluation would double the hour).
+    "smollm2": dict(flags=["--model", "SmolLM2-135M", "--task", "addition", "--steps", "10", "--eval-every", "2",
+                           "--eval-k", "0"],
+                    seeds=[0, 1, 2], reach=None, gain=0.10),
+}
 
-def run_one(algo, seed, out_root, extra):
+
+def run_one(algo, seed, out_root, flags):
     out = os.path.join(out_root, f"{algo}-s{seed}")
     metrics, stamp = os.path.join(out, "metrics.jsonl"), os.path.join(out, "fingerprint.txt")
     with open(os.path.join(HERE, "scgrpo.py"), "rb") as f:
-        fingerprint = hashlib.sha256(f.read() + repr(extra).encode()).hexdigest()
+        fingerprint = hashlib.sha256(f.read() + repr(flags).encode()).hexdigest()
     saved = ""
     if os.path.isfile(os.path.join(out, "final", "config.json")) and os.path.isfile(stamp):
         with open(stamp) as f:
             saved = f.read()
     if saved != fingerprint:  # not run yet, unfinished, or run by other code or flags
         shutil.rmtree(out, ignore_errors=True)
-        cmd = [sys.executable, os.path.join(HERE, "scgrpo.py"), "--model", "tiny", "--task", "arith", "--algo", algo,
-               "--seed", str(seed), "--eval-every", "100", "--eval-k", "8", "--out", out, *extra]
+        cmd = [sys.executable, os.path.join(HERE, "scgrpo.py"), "--algo", algo, "--seed", str(seed), "--out", out,
+               *flags]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
         r = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if r.returncode != 0:
@@ -44,36 +58,118 @@ def run_one(algo, seed, out_root, extra):
         with open(stamp, "w") as f:
             f.write(fingerprint)
     with open(metrics) as f:
-        evals = [m for m in map(json.loads, f) if "eval_greedy_acc" in m]
-    reached = [m["step"] for m in evals if m["eval_greedy_acc"] >= 0.5]
-    print(f"{algo:7s} seed {seed}: greedy {evals[-1]['eval_greedy_acc']:.3f}", file=sys.stderr)
-    return dict(algo=algo, seed=seed, greedy=evals[-1]["eval_greedy_acc"], avg=evals[-1]["eval_avg_at_k"],
-                passk=evals[-1]["eval_pass_at_k"], first50=reached[0] if reached else None)
+        lines = [json.loads(line) for line in f]
+    evals = [m for m in lines if "eval_greedy_acc" in m]
+    if "eval_avg_at_k" not in evals[-1]:
+        evals[-1].update(final_avg_and_pass(out, fingerprint))
+    kl_p75 = [m["kl_p75"] for m in lines if "kl_p75" in m]
+    print(f"{algo:7s} seed {seed}: greedy {evals[0]['eval_greedy_acc']:.3f} -> {evals[-1]['eval_greedy_acc']:.3f}",
+          file=sys.stderr)
+    return dict(algo=algo, seed=seed, curve=[(m["step"], m["eval_greedy_acc"]) for m in evals],
+                avg=evals[-1]["eval_avg_at_k"], passk=evals[-1]["eval_pass_at_k"],
+                kl_p75=statistics.median(kl_p75) if kl_p75 else None,
+                seconds=sum(m["seconds"] for m in lines if "seconds" in m))
 
 
-def mean_std(xs):
-    return f"{statistics.mean(xs):.3f} +- {statistics.pstdev(xs):.3f}"
+def final_avg_and_pass(out, fingerprint, k=8):
+    """Avg@k and Pass@k of a run's final model on its evaluation questions, in a subprocess with
+    one thread (cached in final_eval.json beside the fingerprint it belongs to)."""
+    path = os.path.join(out, "final_eval.json")
+    if os.path.isfile(path):
+        with open(path) as f:
+            saved = json.load(f)
+        if saved.pop("fingerprint") == fingerprint:
+            return saved
+    code = f"import json, compare; print(json.dumps(compare.evaluate_final({os.path.join(out, 'final')!r}, {k})))"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=HERE)
+    if r.returncode != 0:
+        sys.exit(f"error: evaluating {out}/final failed:\n{r.stderr[-2000:]}")
+    res = json.loads(r.stdout.splitlines()[-1])
+    with open(path, "w") as f:
+        json.dump({**res, "fingerprint": fingerprint}, f)
+    return res
+
+
+def evaluate_final(folder, k):
+    """scgrpo.evaluate on a saved final model, with the run's own config and questions."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import scgrpo as S
+    with open(os.path.join(folder, "run_config.json")) as f:
+        cfg = S.Config(**json.load(f))
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(folder)
+    test_rows = S.load_task(cfg)[1][:cfg.eval_n]
+    res, _ = S.evaluate(model, tok, test_rows, cfg, S.stop_ids(model, tok), k)
+    return res
+
+
+def steps_to(curve, reach, gain):
+    """First evaluated step whose greedy accuracy reaches `reach`, or step 0's accuracy + `gain`."""
+    target = reach if reach is not None else curve[0][1] + gain - 1e-9
+    return next((step for step, acc in curve if acc >= target), None)
+
+
+def mean_std(xs, fmt=".3f"):
+    return f"{statistics.mean(xs):{fmt}} +- {statistics.pstdev(xs):{fmt}}"
+
+
+def table(results, algos, reach, gain):
+    target = f"{reach:.0%} greedy" if reach is not None else f"+{gain * 100:.0f} points"
+    rows = [f"| algorithm | final greedy acc | Avg@8 | Pass@8 | steps to {target} (runs that got there) | "
+            "median kl_p75 (nats) | train s/run |", "|---|---|---|---|---|---|---|"]
+    for a in algos:
+        rs = [r for r in results if r["algo"] == a]
+        hit = [s for s in (steps_to(r["curve"], reach, gain) for r in rs) if s is not None]
+        steps = f"{mean_std(hit, '.1f')} ({len(hit)}/{len(rs)})" if hit else f"never (0/{len(rs)})"
+        kl = [r["kl_p75"] for r in rs if r["kl_p75"] is not None]
+        rows.append(f"| {a} | {mean_std([r['curve'][-1][1] for r in rs])} | {mean_std([r['avg'] for r in rs])} | "
+                    f"{mean_std([r['passk'] for r in rs])} | {steps} | {mean_std(kl) if kl else '-'} | "
+                    f"{statistics.mean(r['seconds'] for r in rs):.0f} |")
+    return "\n".join(rows)
+
+
+def plot(results, algos, path, title):
+    """Held-out greedy accuracy against step: the mean over seeds as a line, min..max shaded."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
+    for a in algos:
+        curves = [dict(r["curve"]) for r in results if r["algo"] == a]
+        steps = sorted(set.intersection(*(set(c) for c in curves)))
+        accs = [[c[s] for c in curves] for s in steps]
+        line, = ax.plot(steps, [statistics.mean(x) for x in accs], marker="o", label=f"{a} ({len(curves)} seeds)")
+        ax.fill_between(steps, [min(x) for x in accs], [max(x) for x in accs], color=line.get_color(), alpha=0.15)
+    ax.set(xlabel="training step", ylabel="held-out greedy accuracy", title=title, ylim=(0, 1))
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper left")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path)
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--study", choices=sorted(STUDIES), default="tiny", help="model, task and seeds to compare")
     ap.add_argument("--algos", nargs="+", default=["grpo", "dapo", "scgrpo"], help="algorithms to compare")
-    ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4], help="seeds, one run each")
+    ap.add_argument("--seeds", nargs="+", type=int, default=None, help="seeds, one run each (default: the study's)")
     ap.add_argument("--jobs", type=int, default=2, help="runs at a time (one thread each)")
-    ap.add_argument("--out", default=os.path.join("runs", "compare"), help="folder for the runs")
+    ap.add_argument("--out", default="", help="folder for the runs (default runs/compare-<study>)")
+    ap.add_argument("--plot", default="", help="also write the learning curves to this PNG (needs matplotlib)")
     ap.add_argument("extra", nargs="*", help="flags passed on to scgrpo.py (after --)")
     args = ap.parse_args()
-    jobs = [(a, s) for a in args.algos for s in args.seeds]
+    study = STUDIES[args.study]
+    out = args.out or os.path.join("runs", f"compare-{args.study}")
+    jobs = [(a, s) for a in args.algos for s in (args.seeds or study["seeds"])]
     with ThreadPoolExecutor(args.jobs) as pool:
-        results = list(pool.map(lambda j: run_one(*j, args.out, args.extra), jobs))
-    print("| algorithm | final greedy acc | Avg@8 | Pass@8 | steps to 50% greedy (runs that reached it) |")
-    print("|---|---|---|---|---|")
-    for a in args.algos:
-        rs = [r for r in results if r["algo"] == a]
-        hit = [r["first50"] for r in rs if r["first50"] is not None]
-        steps = f"{statistics.mean(hit):.0f} +- {statistics.pstdev(hit):.0f} ({len(hit)}/{len(rs)})" if hit else f"never (0/{len(rs)})"
-        print(f"| {a} | {mean_std([r['greedy'] for r in rs])} | {mean_std([r['avg'] for r in rs])} | "
-              f"{mean_std([r['passk'] for r in rs])} | {steps} |")
+        results = list(pool.map(lambda j: run_one(*j, out, study["flags"] + args.extra), jobs))
+    print(table(results, args.algos, study["reach"], study["gain"]))
+    if args.plot:
+        plot(results, args.algos, args.plot, f"{args.study}: held-out greedy accuracy, mean and min..max over seeds")
+        print(f"learning curves: {args.plot}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -120,8 +120,8 @@ PRESETS = {
                  micro_batch=256, eval_every=250, eval_n=100, eval_batch=100, save_every=500,
                  log_every=250),
     # SmolLM2-135M-Instruct on 2 CPU cores (see README, "A real model on a CPU", for the measurements).
-    "SmolLM2-135M": dict(steps=20, prompts_per_step=4, group_size=8, max_new_tokens=64, temperature=0.8, lr=2e-5,
-                         micro_batch=16, eval_every=5, eval_n=100, eval_k=0, eval_batch=100, save_every=10,
+    "SmolLM2-135M": dict(steps=12, prompts_per_step=4, group_size=8, max_new_tokens=64, temperature=0.8, lr=2e-5,
+                         micro_batch=16, eval_every=4, eval_n=100, eval_k=0, eval_batch=100, save_every=4,
                          log_every=1),
     "hub": dict(steps=200, prompts_per_step=8, group_size=8, max_new_tokens=512, lr=1e-6, grad_checkpoint=True,
                 micro_batch=8, eval_every=25, eval_n=200, eval_batch=64, save_every=50, log_every=1),
@@ -196,6 +196,7 @@ def check_config(cfg):
         die(f"--kl-quantile must be in (0, 1), got {cfg.kl_quantile}")
     if cfg.eval_n < 1 or cfg.eval_k < 0:
         die("--eval-n must be positive and --eval-k non-negative")
+    gguf_path(cfg.model)  # a missing weights package or a file that is not GGUF fails here, in milliseconds
     if cfg.device not in ("auto", "cpu", "cuda", "mps"):
         die(f"unknown --device {cfg.device!r}; use auto, cpu, cuda or mps")
     if cfg.device == "cuda" and not torch.cuda.is_available():
@@ -708,10 +709,10 @@ def head_kl(h_t, h_s, lse_s, head, temperature, block=None):
     return (dot + (lse_s - lse_t)).clamp_min_(0.0)  # clamp rounding below 0
 
 
-@torch.no_grad()
 def shared_prefix_hidden(model, prompts, prompt_of, comp_ids, resp_mask):
     """completion_hidden for answers that share prompts: each distinct prompt is prefilled once
-    and its KV cache reused by every answer that follows it. prompts: u distinct token lists;
+    and its KV cache reused by every answer that follows it (gradients flow back through the
+    copies to the one prefill). prompts: u distinct token lists;
     prompt_of (b,) long, the prompt of each answer row. -> (n_active, H), equal up to rounding to
         completion_hidden(model, [prompts[k] for k in prompt_of], comp_ids, resp_mask)."""
     device = comp_ids.device
@@ -848,6 +849,12 @@ def pad_rows(rows, value=0):
     return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=value)
 
 
+def distinct(keys, device):
+    """-> (the distinct keys in first-seen order, index of each key among them as a (n,) tensor)."""
+    uniq = list(dict.fromkeys(keys))
+    return uniq, torch.tensor([uniq.index(k) for k in keys], device=device)
+
+
 def pack(items):
     """A micro-batch of answers, right-padded: comp_ids (b, L), resp_mask (b, L)."""
     comp_ids = pad_rows([it["ids"] for it in items])
@@ -929,8 +936,7 @@ def self_condition(model, tok, cfg, groups, items):
     by_prompt = sorted(routed, key=lambda it: (it["group"], it["ref"]))
     for mb in micro_batches(by_prompt, cfg.micro_batch):
         comp_ids, resp_mask = pack(mb)                                                       # (b, L)
-        keys = list(dict.fromkeys((it["group"], it["ref"]) for it in mb))                    # distinct, in order
-        prompt_of = torch.tensor([keys.index((it["group"], it["ref"])) for it in mb], device=comp_ids.device)
+        keys, prompt_of = distinct([(it["group"], it["ref"]) for it in mb], comp_ids.device)
         h_s, lse_s = (torch.cat(x) for x in zip(*[groups[it["group"]]["states"][it["i"]] for it in mb]))
         kl = teacher_kl(model, [teacher_prompts[k] for k in keys], prompt_of, comp_ids, resp_mask, h_s, lse_s,
                         cfg.temperature)                                                     # (n_active,)
@@ -958,12 +964,18 @@ def update(model, opt, cfg, items, n_groups):
     total_tokens = sum(len(it["ids"]) for it in items)
     for it in items:  # DAPO: token-level mean over the batch; GRPO: 1/G sum_i 1/|o_i|, mean over groups
         it["scale"] = 1.0 / total_tokens if cfg.algo == "dapo" else 1.0 / (n_groups * cfg.group_size * len(it["ids"]))
-    items = sorted(items, key=lambda it: -(len(it["prompt"]) + len(it["ids"])))
+    # Longest prompts first (a memory problem shows at once), a group's answers side by side.
+    items = sorted(items, key=lambda it: (-len(it["prompt"]), it["group"], -len(it["ids"])))
     mbs = [(mb, *pack(mb)) for mb in micro_batches(items, cfg.micro_batch)]  # (items, comp_ids, resp_mask)
     eps_high = cfg.epsilon_high or (0.28 if cfg.algo == "dapo" else cfg.epsilon)
 
     def logprobs(mb, comp_ids, resp_mask):  # (b, L), zero outside resp_mask
-        h = completion_hidden(model, [it["prompt"] for it in mb], comp_ids, resp_mask)       # (n_active, H)
+        if cfg.grad_checkpoint:  # HF turns the KV cache off under activation checkpointing
+            h = completion_hidden(model, [it["prompt"] for it in mb], comp_ids, resp_mask)   # (n_active, H)
+        else:  # a group's answers share its prompt: one prefill per group, its cache reused
+            group_ids, prompt_of = distinct([it["group"] for it in mb], device)
+            prompt = {it["group"]: it["prompt"] for it in mb}
+            h = shared_prefix_hidden(model, [prompt[g] for g in group_ids], prompt_of, comp_ids, resp_mask)
         lp = head_logprobs(head, h, comp_ids[resp_mask], cfg.temperature)                    # (n_active,)
         return torch.zeros(resp_mask.shape, device=device).masked_scatter(resp_mask, lp)
 
