@@ -20,6 +20,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -134,6 +135,7 @@ def table(results, algos, reach, gain):
 def plot(results, algos, path, title):
     """Held-out greedy accuracy against step: the mean over seeds as a line, min..max shaded."""
     import matplotlib
+    import matplotlib.ticker
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
@@ -144,6 +146,7 @@ def plot(results, algos, path, title):
         line, = ax.plot(steps, [statistics.mean(x) for x in accs], marker="o", label=f"{a} ({len(curves)} seeds)")
         ax.fill_between(steps, [min(x) for x in accs], [max(x) for x in accs], color=line.get_color(), alpha=0.15)
     ax.set(xlabel="training step", ylabel="held-out greedy accuracy", title=title, ylim=(0, 1))
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     ax.grid(alpha=0.3)
     ax.legend(loc="upper left")
     fig.tight_layout()
@@ -164,9 +167,12 @@ def main():
     study = STUDIES[args.study]
     out = args.out or os.path.join("runs", f"compare-{args.study}")
     jobs = [(a, s) for a in args.algos for s in (args.seeds or study["seeds"])]
+    t0 = time.time()
     with ThreadPoolExecutor(args.jobs) as pool:
         results = list(pool.map(lambda j: run_one(*j, out, study["flags"] + args.extra), jobs))
     print(table(results, args.algos, study["reach"], study["gain"]))
+    print(f"{len(jobs)} runs, {args.jobs} at a time: {(time.time() - t0) / 60:.1f} minutes (runs read back cost none)",
+          file=sys.stderr)
     if args.plot:
         plot(results, args.algos, args.plot, f"{args.study}: held-out greedy accuracy, mean and min..max over seeds")
         print(f"learning curves: {args.plot}", file=sys.stderr)

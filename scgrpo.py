@@ -42,6 +42,7 @@ Where this file simplifies or interprets the paper (all are flags or one line):
 
 Run it:
     python scgrpo.py --model tiny --task arith               # offline, CPU, under 2 min
+    python scgrpo.py --model SmolLM2-135M --task addition    # a real instruct model, offline, CPU, ~8 min
     python scgrpo.py --model Qwen2.5-0.5B --task gsm8k        # one 24 GB GPU
     python scgrpo.py --model tiny --task arith --algo grpo    # the baseline
     python scgrpo.py --resume runs/<run-folder>               # continue a run
@@ -79,8 +80,8 @@ def die(msg):
 
 @dataclass
 class Config:
-    model: str = "tiny"          # "tiny" (built in code), an alias (Qwen2.5-0.5B, Qwen3-0.6B, ...), a hub id or a folder
-    task: str = "arith"          # "gsm8k" or "arith" (offline synthetic addition)
+    model: str = "tiny"          # "tiny" (built in code), SmolLM2-135M (offline GGUF), a FILE.gguf, an alias (Qwen2.5-0.5B, ...), a hub id or a folder
+    task: str = "arith"          # "gsm8k", or offline: "arith" (a+b=, for tiny) or "addition" (two-digit sums in words)
     data: str = ""               # local folder with train.jsonl / test.jsonl in GSM8K's schema
     algo: str = "scgrpo"         # "scgrpo" (the method), "grpo" or "dapo" (the paper's baselines)
     steps: int = 200             # optimizer updates (x ppo_epochs)
@@ -710,28 +711,43 @@ def head_kl(h_t, h_s, lse_s, head, temperature, block=None):
 
 
 def shared_prefix_hidden(model, prompts, prompt_of, comp_ids, resp_mask):
-    """completion_hidden for answers that share prompts: each distinct prompt is prefilled once
-    and its KV cache reused by every answer that follows it (gradients flow back through the
-    copies to the one prefill). prompts: u distinct token lists;
-    prompt_of (b,) long, the prompt of each answer row. -> (n_active, H), equal up to rounding to
-        completion_hidden(model, [prompts[k] for k in prompt_of], comp_ids, resp_mask)."""
+    """completion_hidden for answers that share prompts, computing every shared token once: the
+    beginning all prompts have in common (chat template, system prompt, guide) is prefilled once,
+    then the rest of each distinct prompt, then the answers, each stage reading the KV cache of
+    the one before (gradients flow back through the cache copies). prompts: u distinct token
+    lists; prompt_of (b,) long, the prompt of each answer row. -> (n_active, H), equal up to
+    rounding to completion_hidden(model, [prompts[k] for k in prompt_of], comp_ids, resp_mask)."""
     device = comp_ids.device
-    p_ids, p_mask = left_pad(prompts, 0, device)                                             # (u, P)
-    p_pos = (p_mask.cumsum(-1) - 1).clamp(min=0)                                             # (u, P)
-    with autocast(device):
-        out = model.base_model(input_ids=p_ids, attention_mask=p_mask, position_ids=p_pos, use_cache=True)
-    h = out.last_hidden_state[prompt_of, -1:]               # (b, 1, H): predicts answer token 0
-    L = comp_ids.shape[1]
-    if L > 1:  # answer tokens 0..L-2 predict tokens 1..L-1, reading their prompt's cached keys and values
-        cache = out.cache
-        cache.batch_select_indices(prompt_of)               # (u, ...) -> (b, ...), rows copied as needed
-        attn = torch.cat([p_mask[prompt_of], resp_mask[:, :-1].long()], 1)                 # (b, P+L-1)
-        pos = p_pos[prompt_of, -1:] + torch.arange(1, L, device=device)                    # (b, L-1)
-        with autocast(device):
-            rest = model.base_model(input_ids=comp_ids[:, :-1], attention_mask=attn, position_ids=pos,
-                                    cache=cache).last_hidden_state                          # (b, L-1, H)
+    n = min(len(os.path.commonprefix(prompts)), min(map(len, prompts)) - 1)  # leave each prompt >= 1 token
+    ctx = dict(cache=None, mask=torch.zeros((1, 0), dtype=torch.long, device=device),
+               last_pos=torch.full((1,), -1, device=device))
+    if n:  # stage 1: the common beginning, one row
+        run_after(model, ctx, torch.tensor([prompts[0][:n]], device=device), torch.ones((1, n), device=device))
+    # stage 2: the rest of each distinct prompt, left-padded so every prompt ends in the last column
+    ids, mask = left_pad([p[n:] for p in prompts], 0, device)                                # (u, R)
+    h = run_after(model, ctx, ids, mask, rows=torch.zeros(len(prompts), dtype=torch.long, device=device))
+    h = h[prompt_of, -1:]                                    # (b, 1, H): predicts answer token 0
+    if comp_ids.shape[1] > 1:  # stage 3: answer tokens 0..L-2 predict tokens 1..L-1
+        rest = run_after(model, ctx, comp_ids[:, :-1], resp_mask[:, :-1], rows=prompt_of)     # (b, L-1, H)
         h = torch.cat([h, rest], 1)                                                          # (b, L, H)
     return h[resp_mask].float()
+
+
+def run_after(model, ctx, ids, mask, rows=None):
+    """Run ids (b, n) with mask (b, n) after a cached context ctx (its cache, mask (r, c) and last
+    position (r,)), whose rows are first copied to the new rows' order (rows (b,) indexes ctx).
+    Positions continue from the context. Updates ctx in place; -> final hidden states (b, n, H)."""
+    if rows is not None:
+        if ctx["cache"] is not None:
+            ctx["cache"].batch_select_indices(rows)
+        ctx["mask"], ctx["last_pos"] = ctx["mask"][rows], ctx["last_pos"][rows]
+    attn = torch.cat([ctx["mask"], mask.long()], 1)                                          # (b, c+n)
+    pos = (ctx["last_pos"][:, None] + mask.long().cumsum(1)).clamp(min=0)                    # (b, n)
+    with autocast(ids.device):
+        out = model.base_model(input_ids=ids, attention_mask=attn, position_ids=pos, cache=ctx["cache"],
+                               use_cache=True)
+    ctx.update(cache=out.cache, mask=attn, last_pos=pos[:, -1])
+    return out.last_hidden_state
 
 
 @torch.no_grad()

@@ -290,9 +290,11 @@ def test_left_padding_does_not_change_completion_logprobs(tiny):
     torch.testing.assert_close(got, torch.cat(want), rtol=1e-5, atol=1e-5)
 
 
-def test_shared_prefix_hidden_equals_one_forward_per_answer(tiny):
+@pytest.mark.parametrize("texts", [("3+4=9;", "3+4=", "3+5=12;5+5="),   # a common beginning, "3+"
+                                   ("3+4=9;", "1=", "12+7=19;5+5=")])  # none
+def test_shared_prefix_hidden_equals_one_forward_per_answer(tiny, texts):
     model, tok = tiny
-    prompts = [tok("3+4=9;")["input_ids"], tok("1=")["input_ids"], tok("12+7=19;5+5=")["input_ids"]]
+    prompts = [tok(t)["input_ids"] for t in texts]
     comps = [[9, 2], [3, 4, 5, 6], [7], [2, 2, 2], [5, 0]]
     prompt_of = torch.tensor([2, 0, 2, 1, 0])  # answers share prompts, in any order
     comp_ids = S.pad_rows([torch.tensor(c) for c in comps])
@@ -303,7 +305,7 @@ def test_shared_prefix_hidden_equals_one_forward_per_answer(tiny):
         one = S.shared_prefix_hidden(model, prompts, prompt_of[2:3], comp_ids[2:3, :1], mask[2:3, :1])
     assert got.shape == (mask.sum(), 64)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(one, want[6:7], rtol=1e-5, atol=1e-5)  # one-token answers need no second pass
+    torch.testing.assert_close(one, want[6:7], rtol=1e-5, atol=1e-5)  # one-token answers need no third stage
     params = [p for p in model.parameters() if p.requires_grad]
     coef = torch.randn(want.shape, generator=torch.Generator().manual_seed(0))
     grads = [torch.autograd.grad((fn() * coef).sum(), params) for fn in (  # the update backpropagates through it
