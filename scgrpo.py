@@ -831,11 +831,13 @@ def write_credit_html(path, step, examples):
             f'<div class="row"><div class="col"><h4>answer, shaded by f(D)</h4><pre>{spans}</pre></div>'
             f'<div class="col"><h4>reference the teacher saw</h4><pre>{html.escape(ex["reference"])}</pre></div></div></div>')
     page = (f"<!doctype html><html><head><meta charset='utf-8'><title>SC-GRPO credit, step {step}</title><style>"
-            "body{font-family:sans-serif;max-width:1200px;margin:auto}.card{border:1px solid #ccc;padding:8px;"
+            "body{font-family:sans-serif;max-width:1200px;margin:auto;padding:0 16px}.card{border:1px solid #ccc;padding:8px;"
             "margin:12px 0}.row{display:flex;gap:16px}.col{flex:1;min-width:0}pre{white-space:pre-wrap;"
             "font-size:18px;line-height:1.6}span{padding:1px 0}</style></head><body>"
             f"<h2>Token credit at step {step}</h2><p>Darker = larger weight f(D) = D / (D + c); "
-            "hover a token for its KL D.</p>" + "".join(cards) + "</body></html>")
+            "hover a token for its KL D. &nbsp; f(D) = 0 <span style='display:inline-block;width:160px;"
+            "height:14px;vertical-align:middle;background:linear-gradient(90deg,rgba(230,90,20,0),"
+            "rgba(230,90,20,1))'></span> 1</p>" + "".join(cards) + "</body></html>")
     with open(path, "w", encoding="utf-8") as f:
         f.write(page)
 

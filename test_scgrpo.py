@@ -730,3 +730,7 @@ def test_smollm2_runs_each_algorithm_and_saves_a_model_that_reloads(algo, tmp_pa
     model = AutoModelForCausalLM.from_pretrained(os.path.join(out, "final"))
     tok = AutoTokenizer.from_pretrained(os.path.join(out, "final"))
     assert model.num_parameters() > 100e6 and tok.chat_template and tok.eos_token_id == 2
+    if algo == "grpo":  # the checkpoint of a GGUF-loaded model resumes like any other
+        r = run("--resume", out, "--steps", "3")
+        assert r.returncode == 0 and "resuming" in r.stdout, r.stderr[-2000:]
+        assert [x["step"] for x in read_metrics(out) if "reward_mean" in x] == [1, 2, 3]
