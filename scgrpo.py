@@ -873,10 +873,10 @@ def distinct(keys, device):
     return uniq, torch.tensor([uniq.index(k) for k in keys], device=device)
 
 
-def pack(items):
-    """A micro-batch of answers, right-padded: comp_ids (b, L), resp_mask (b, L)."""
-    comp_ids = pad_rows([it["ids"] for it in items])
-    resp_mask = pad_rows([torch.ones_like(it["ids"], dtype=torch.bool) for it in items], False)
+def pack(answers):
+    """A micro-batch of answers (b token-id tensors), right-padded: comp_ids (b, L), resp_mask (b, L)."""
+    comp_ids = pad_rows(answers)
+    resp_mask = pad_rows([torch.ones_like(a, dtype=torch.bool) for a in answers], False)
     return comp_ids, resp_mask
 
 
@@ -948,18 +948,20 @@ def self_condition(model, tok, cfg, groups, items):
         if key not in teacher_prompts:
             teacher_prompts[key] = encode_prompt(tok, g["row"]["question"], reference=g["texts"][it["ref"]])
         # Active tokens: all of a partial-solve answer; the first L_i = min(|o_i|, |o_r|) in solve-none (note 4).
-        n_active = len(it["ids"]) if it["route"] == "partial" else min(len(it["ids"]), len(g["ids"][it["ref"]]))
-        it["active"] = torch.arange(len(it["ids"]), device=it["ids"].device) < n_active      # (L_i,)
+        it["n_active"] = len(it["ids"]) if it["route"] == "partial" else min(len(it["ids"]), len(g["ids"][it["ref"]]))
+        it["active"] = torch.arange(len(it["ids"]), device=it["ids"].device) < it["n_active"]  # (L_i,)
     # Answers with the same reference sit next to each other, so a micro-batch prefills few prompts.
     by_prompt = sorted(routed, key=lambda it: (it["group"], it["ref"]))
     for mb in micro_batches(by_prompt, cfg.micro_batch):
-        comp_ids, resp_mask = pack(mb)                                                       # (b, L)
+        # The teacher reads active tokens only: D past L_i would get weight 0 anyway (shown as 0).
+        comp_ids, resp_mask = pack([it["ids"][:it["n_active"]] for it in mb])                # (b, L)
         keys, prompt_of = distinct([(it["group"], it["ref"]) for it in mb], comp_ids.device)
-        h_s, lse_s = (torch.cat(x) for x in zip(*[groups[it["group"]]["states"][it["i"]] for it in mb]))
+        h_s, lse_s = (torch.cat([groups[it["group"]]["states"][it["i"]][k][:it["n_active"]] for it in mb])
+                      for k in (0, 1))                                                       # (n, H), (n,)
         kl = teacher_kl(model, [teacher_prompts[k] for k in keys], prompt_of, comp_ids, resp_mask, h_s, lse_s,
-                        cfg.temperature)                                                     # (n_active,)
-        for it, d in zip(mb, kl.split([len(it["ids"]) for it in mb])):
-            it["kl"] = d
+                        cfg.temperature)                                                     # (n,)
+        for it, d in zip(mb, kl.split([it["n_active"] for it in mb])):
+            it["kl"] = torch.cat([d, d.new_zeros(len(it["ids"]) - it["n_active"])])          # (L_i,)
     kl, active = torch.cat([it["kl"] for it in routed]), torch.cat([it["active"] for it in routed])
     weights, c = sc_weights(kl, active, cfg.c_min, cfg.kl_quantile)  # c over the whole batch (note 1)
     for it, w in zip(routed, weights.split([len(it["ids"]) for it in routed])):
@@ -984,7 +986,7 @@ def update(model, opt, cfg, items, n_groups):
         it["scale"] = 1.0 / total_tokens if cfg.algo == "dapo" else 1.0 / (n_groups * cfg.group_size * len(it["ids"]))
     # Longest prompts first (a memory problem shows at once), a group's answers side by side.
     items = sorted(items, key=lambda it: (-len(it["prompt"]), it["group"], -len(it["ids"])))
-    mbs = [(mb, *pack(mb)) for mb in micro_batches(items, cfg.micro_batch)]  # (items, comp_ids, resp_mask)
+    mbs = [(mb, *pack([it["ids"] for it in mb])) for mb in micro_batches(items, cfg.micro_batch)]  # (items, ids, mask)
     eps_high = cfg.epsilon_high or (0.28 if cfg.algo == "dapo" else cfg.epsilon)
 
     def logprobs(mb, comp_ids, resp_mask):  # (b, L), zero outside resp_mask

@@ -333,7 +333,11 @@ def test_self_condition_kl_equals_one_teacher_forward_per_answer(tiny):
         with torch.no_grad():
             h_t = S.completion_hidden(model, [prompt], it["ids"][None], torch.ones(1, len(it["ids"]), dtype=torch.bool))
             want = S.head_kl(h_t, *g["states"][it["i"]], head, cfg.temperature)
-        torch.testing.assert_close(it["kl"], want, rtol=1e-4, atol=1e-5)
+        active = it["active"]  # solve-none answers past L_i are not scored (their weight is 0)
+        assert active.sum() == (len(it["ids"]) if it["route"] == "partial" else
+                                min(len(it["ids"]), len(g["ids"][it["ref"]])))
+        torch.testing.assert_close(it["kl"][active], want[active], rtol=1e-4, atol=1e-5)
+        assert (it["kl"][~active] == 0).all() and (it["weights"][~active] == 0).all()
 
 
 def test_sampler_mask_stops_at_first_eos_even_when_pad_equals_eos(tiny):
