@@ -719,17 +719,13 @@ def head_kl(h_t, h_s, lse_s, head, temperature, block=None):
     return (dot + (lse_s - lse_t)).clamp_min_(0.0)  # clamp rounding below 0
 
 
-def shared_prefix_hidden(model, prompts, prompt_of, comp_ids, resp_mask, min_prompt=32):
+def shared_prefix_hidden(model, prompts, prompt_of, comp_ids, resp_mask):
     """completion_hidden for answers that share prompts, computing every shared token once: the
     beginning all prompts have in common (chat template, system prompt, guide) is prefilled once,
     then the rest of each distinct prompt, then the answers, each stage reading the KV cache of
     the one before (gradients flow back through the cache copies). prompts: u distinct token
     lists; prompt_of (b,) long, the prompt of each answer row. -> (n_active, H), equal up to
-    rounding to completion_hidden(model, [prompts[k] for k in prompt_of], comp_ids, resp_mask).
-    Prompts shorter than min_prompt tokens are not worth it: the extra forward calls cost more
-    than the tokens they save (the tiny preset took 71 s with one call, 105 s with the stages)."""
-    if max(map(len, prompts)) < min_prompt:
-        return completion_hidden(model, [prompts[k] for k in prompt_of], comp_ids, resp_mask)
+    rounding to completion_hidden(model, [prompts[k] for k in prompt_of], comp_ids, resp_mask)."""
     device = comp_ids.device
     n = min(len(os.path.commonprefix(prompts)), min(map(len, prompts)) - 1)  # leave each prompt >= 1 token
     ctx = dict(cache=None, mask=torch.zeros((1, 0), dtype=torch.long, device=device),

@@ -301,8 +301,8 @@ def test_shared_prefix_hidden_equals_one_forward_per_answer(tiny, texts):
     mask = S.pad_rows([torch.ones(len(c), dtype=torch.bool) for c in comps], False)
     with torch.no_grad():
         want = S.completion_hidden(model, [prompts[k] for k in prompt_of], comp_ids, mask)
-        got = S.shared_prefix_hidden(model, prompts, prompt_of, comp_ids, mask, min_prompt=0)
-        one = S.shared_prefix_hidden(model, prompts, prompt_of[2:3], comp_ids[2:3, :1], mask[2:3, :1], min_prompt=0)
+        got = S.shared_prefix_hidden(model, prompts, prompt_of, comp_ids, mask)
+        one = S.shared_prefix_hidden(model, prompts, prompt_of[2:3], comp_ids[2:3, :1], mask[2:3, :1])
     assert got.shape == (mask.sum(), 64)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(one, want[6:7], rtol=1e-5, atol=1e-5)  # one-token answers need no third stage
@@ -310,17 +310,15 @@ def test_shared_prefix_hidden_equals_one_forward_per_answer(tiny, texts):
     coef = torch.randn(want.shape, generator=torch.Generator().manual_seed(0))
     grads = [torch.autograd.grad((fn() * coef).sum(), params) for fn in (  # the update backpropagates through it
         lambda: S.completion_hidden(model, [prompts[k] for k in prompt_of], comp_ids, mask),
-        lambda: S.shared_prefix_hidden(model, prompts, prompt_of, comp_ids, mask, min_prompt=0))]
+        lambda: S.shared_prefix_hidden(model, prompts, prompt_of, comp_ids, mask))]
     for want_g, got_g in zip(*grads):
         torch.testing.assert_close(got_g, want_g, rtol=1e-3, atol=1e-4)
 
 
-def test_self_condition_kl_equals_one_teacher_forward_per_answer(tiny, monkeypatch):
+def test_self_condition_kl_equals_one_teacher_forward_per_answer(tiny):
     """The shared-prefill teacher pass gives the D of the plain computation: each answer run
     after its own teacher prompt, full forward, KL against the sampler's student states."""
     model, tok = tiny
-    shared = S.shared_prefix_hidden  # the tiny prompts are short: force the shared stages
-    monkeypatch.setattr(S, "shared_prefix_hidden", lambda *a: shared(*a, min_prompt=0))
     cfg = S.Config(algo="scgrpo", group_size=4, max_new_tokens=3, micro_batch=3)
     groups = S.rollout(model, tok, cfg, S.make_arith()[0][:2], torch.Generator().manual_seed(3), [0])
     groups[0]["correct"], groups[1]["correct"] = torch.tensor([1.0, 1.0, 0.0, 1.0]), torch.zeros(4)
