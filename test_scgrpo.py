@@ -41,6 +41,10 @@ def run_ok(out, *args):
     return [x for x in m if "reward_mean" in x], [x for x in m if "eval_greedy_acc" in x]
 
 
+def pad_rows(rows, value=0):
+    return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=value)
+
+
 @pytest.fixture(scope="module")
 def tiny():
     return S.make_tiny(0)
@@ -278,8 +282,8 @@ def test_left_padding_does_not_change_completion_logprobs(tiny):
     model, tok = tiny
     prompts = [tok("3+4=")["input_ids"], tok("1=9+8=")["input_ids"], tok("5=")["input_ids"]]
     comps = [[9, 2], [3, 4, 5], [7]]
-    comp_ids = S.pad_rows([torch.tensor(c) for c in comps])
-    mask = S.pad_rows([torch.ones(len(c), dtype=torch.bool) for c in comps], False)
+    comp_ids = pad_rows([torch.tensor(c) for c in comps])
+    mask = pad_rows([torch.ones(len(c), dtype=torch.bool) for c in comps], False)
     with torch.no_grad():
         h = S.completion_hidden(model, prompts, comp_ids, mask)
         got = S.head_logprobs(model.get_output_embeddings(), h, comp_ids[mask], 1.0, 4)
@@ -297,8 +301,8 @@ def test_shared_prefix_hidden_equals_one_forward_per_answer(tiny, texts):
     prompts = [tok(t)["input_ids"] for t in texts]
     comps = [[9, 2], [3, 4, 5, 6], [7], [2, 2, 2], [5, 0]]
     prompt_of = torch.tensor([2, 0, 2, 1, 0])  # answers share prompts, in any order
-    comp_ids = S.pad_rows([torch.tensor(c) for c in comps])
-    mask = S.pad_rows([torch.ones(len(c), dtype=torch.bool) for c in comps], False)
+    comp_ids = pad_rows([torch.tensor(c) for c in comps])
+    mask = pad_rows([torch.ones(len(c), dtype=torch.bool) for c in comps], False)
     with torch.no_grad():
         want = S.completion_hidden(model, [prompts[k] for k in prompt_of], comp_ids, mask)
         got = S.shared_prefix_hidden(model, prompts, prompt_of, comp_ids, mask)
@@ -320,24 +324,26 @@ def test_self_condition_kl_equals_one_teacher_forward_per_answer(tiny):
     after its own teacher prompt, full forward, KL against the sampler's student states."""
     model, tok = tiny
     cfg = S.Config(algo="scgrpo", group_size=4, max_new_tokens=3, micro_batch=3)
-    groups = S.rollout(model, tok, cfg, S.make_arith()[0][:2], torch.Generator().manual_seed(3), [0])
-    groups[0]["correct"], groups[1]["correct"] = torch.tensor([1.0, 1.0, 0.0, 1.0]), torch.zeros(4)
-    adv = S.group_advantages(torch.stack([g["correct"] for g in groups]))
-    items = S.make_items(groups, ["partial", "none"], adv, random.Random(0))
-    S.self_condition(model, tok, cfg, groups, items)
-    assert len(items) == 7
+    ro = S.rollout(model, tok, cfg, S.make_arith()[0][:2], torch.Generator().manual_seed(3), [0])
+    ro.correct = torch.tensor([[1.0, 1.0, 0.0, 1.0], [0.0, 0.0, 0.0, 0.0]])
+    batch = S.make_batch(ro, ["partial", "none"], S.group_advantages(ro.correct), random.Random(0))
+    S.self_condition(model, tok, cfg, ro, batch)
+    assert len(batch.route) == 7
     head = model.get_output_embeddings()
-    for it in items:
-        g = groups[it["group"]]
-        prompt = S.encode_prompt(tok, g["row"]["question"], reference=g["texts"][it["ref"]])
+    for m in range(7):
+        n, j = int(batch.row[m]), int(batch.ref[m])
+        length, ref_length = int(ro.mask[n].sum()), int(ro.mask[j].sum())
+        ids = ro.ids[n, :length]
+        prompt = S.encode_prompt(tok, ro.rows[n // 4]["question"], reference=ro.texts[j])
         with torch.no_grad():
-            h_t = S.completion_hidden(model, [prompt], it["ids"][None], torch.ones(1, len(it["ids"]), dtype=torch.bool))
-            want = S.head_kl(h_t, *g["states"][it["i"]], head, cfg.temperature)
-        active = it["active"]  # solve-none answers past L_i are not scored (their weight is 0)
-        assert active.sum() == (len(it["ids"]) if it["route"] == "partial" else
-                                min(len(it["ids"]), len(g["ids"][it["ref"]])))
-        torch.testing.assert_close(it["kl"][active], want[active], rtol=1e-4, atol=1e-5)
-        assert (it["kl"][~active] == 0).all() and (it["weights"][~active] == 0).all()
+            h_t = S.completion_hidden(model, [prompt], ids[None], torch.ones(1, length, dtype=torch.bool))
+            want = S.head_kl(h_t, ro.hidden[n, :length], ro.lse[n, :length], head, cfg.temperature)
+        kl, weights = batch.kl[m, :length], batch.weights[m, :length]
+        active = torch.arange(length) < batch.n_active[m]  # solve-none answers past L_i are not scored
+        assert active.sum() == (length if batch.route[m] == "partial" else min(length, ref_length))
+        torch.testing.assert_close(kl[active], want[active], rtol=1e-4, atol=1e-5)
+        assert (kl[~active] == 0).all() and (weights[~active] == 0).all()
+        assert (batch.kl[m, length:] == 0).all() and (batch.weights[m, length:] == 0).all()
 
 
 def test_sampler_mask_stops_at_first_eos_even_when_pad_equals_eos(tiny):
