@@ -5,6 +5,10 @@ same model, prompts, group size, answer length, temperature and reward.
     python ../shared/tools/make_offline_model.py --arch qwen-tiny --out /tmp/qwen-tiny
     python bench.py --model /tmp/qwen-tiny --data ../shared/data/gsm8k            # needs requirements-bench.txt
     python bench.py --model /tmp/qwen05 --data ../shared/data/gsm8k --prompts 1 --group 8 --max-new 128 --impls scgrpo
+    python bench.py --model SmolLM2-135M --data data/addition --prompts 4 --max-new 64 --micro-batch 16 \
+        --impls scgrpo scgrpo@bf16                                                   # bf16 vs fp32 on a CPU
+    python bench.py --gpu-check                  # on a lent GPU: the CUDA-only paths, pass/fail, < 5 min
+    python bench.py --gpu-check --small --device cpu    # the same script at toy sizes, on a CPU (a test)
 
 The models are random, so the GSM8K verifier would give every answer 0 and no update would run.
 The benchmark therefore grades with a coin flip fixed by the answer's text (crc32 % 2) for all
@@ -14,6 +18,7 @@ Peak memory is the process's peak RSS on CPU, torch.cuda.max_memory_allocated on
 """
 import argparse
 import json
+import math
 import os
 import random
 import resource
@@ -39,8 +44,10 @@ def peak_memory_gib(device):
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
-def run_ours(args, algo):
+def run_ours(args, impl):
+    """One of our implementations; "scgrpo@bf16" runs SC-GRPO under bf16 autocast."""
     S.verify = coin_reward  # the same reward as TRL's below
+    algo, _, dtype = impl.partition("@")
     cfg = S.Config(model=args.model, task="gsm8k", data=args.data, algo=algo, prompts_per_step=args.prompts,
                    group_size=args.group, max_new_tokens=args.max_new, micro_batch=args.micro_batch,
                    grad_checkpoint=args.grad_checkpoint, lr=1e-6, seed=0, device=args.device)
@@ -48,6 +55,7 @@ def run_ours(args, algo):
     train_rows, _ = S.load_task(cfg)
     model, tok = S.load_model(cfg.model, cfg.seed)
     model.to(device).eval()
+    model.autocast_dtype = torch.bfloat16 if dtype == "bf16" else None
     if cfg.grad_checkpoint:
         model.activation_checkpointing_enable({"use_reentrant": False})
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
@@ -62,11 +70,12 @@ def run_ours(args, algo):
             rows.append(dict(total=time.time() - t0, generate=m["t_sample"], teacher=m["t_teacher"],
                              update=m["t_update"], reward=m["reward_mean"], updated=m["answers_updated"]))
     med = {k: statistics.median(r[k] for r in rows) for k in ("total", "generate", "teacher", "update")}
-    return dict(impl=algo, **med, reward=statistics.mean(r["reward"] for r in rows),
+    return dict(impl=impl, **med, reward=statistics.mean(r["reward"] for r in rows),
                 updated=min(r["updated"] for r in rows), peak_gib=peak_memory_gib(device))
 
 
-def run_trl(args):
+def run_trl(args, sc=False):
+    """TRL's GRPOTrainer, or with sc=True our SCGRPOTrainer subclass of it (trl_scgrpo.py)."""
     from datasets import Dataset
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -95,20 +104,133 @@ def run_trl(args):
         beta=0.0, num_iterations=1, loss_type="grpo", learning_rate=1e-6, max_steps=args.steps + 1, logging_steps=1,
         report_to="none", save_strategy="no", use_cpu=device.type == "cpu", bf16=device.type == "cuda",
         chat_template_kwargs={"enable_thinking": False}, seed=0, shuffle_dataset=False)
-    trainer = GRPOTrainer(model=args.model, reward_funcs=[reward_fn], args=config,
-                          train_dataset=Dataset.from_list([{"prompt": p} for p in prompts]),
-                          processing_class=AutoTokenizer.from_pretrained(args.model), callbacks=[Clock()])
+    Trainer = GRPOTrainer
+    if sc:
+        from trl_scgrpo import SCGRPOTrainer as Trainer
+    trainer = Trainer(model=args.model, reward_funcs=[reward_fn], args=config,
+                      train_dataset=Dataset.from_list([{"prompt": p} for p in prompts]),
+                      processing_class=AutoTokenizer.from_pretrained(args.model), callbacks=[Clock()])
     t0 = time.time()
     trainer.train()
     steps = [b - a for a, b in zip([t0] + stamps, stamps)][1:]  # drop the warm-up step
-    return dict(impl="trl", total=statistics.median(steps), generate=None, teacher=None, update=None,
+    return dict(impl="trl-scgrpo" if sc else "trl", total=statistics.median(steps), generate=None, teacher=None, update=None,
                 reward=statistics.mean(rewards_seen), updated=None, peak_gib=peak_memory_gib(device))
+
+
+def gpu_check(args):
+    """The paths of scgrpo.py that only a GPU takes, as one pass/fail table: for every attention
+    kernel, left-padded batches give finite states and the teacher given the student's own
+    prompt gives D at rounding level (P95 < 1e-3 nats), in bf16 and fp32; then one step of the
+    hub preset at the real Qwen2.5-0.5B shape (random weights, offline: a character tokenizer,
+    answers run to the 512-token cap) with peak memory per phase and sampling tokens/s."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    device = S.pick_device(args.device)
+    small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+    real = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14)
+    config = Qwen2Config(vocab_size=4096 if args.small else 151936, num_key_value_heads=2, max_position_embeddings=4096,
+                         tie_word_embeddings=True, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+                         **(small if args.small else real))
+    torch.manual_seed(0)
+    model, tok = Qwen2ForCausalLM(config).to(device).eval(), S.make_tiny(0)[1]
+    rows, report = S.make_arith()[0], []  # (check, measured, pass)
+    kernels = [("eager", None), ("sdpa math", SDPBackend.MATH), ("sdpa flash", SDPBackend.FLASH_ATTENTION)]
+    if device.type == "cuda":
+        kernels += [("sdpa efficient", SDPBackend.EFFICIENT_ATTENTION), ("sdpa cudnn", SDPBackend.CUDNN_ATTENTION)]
+    real_encode = S.encode_prompt
+    for name, backend in kernels:
+        model.set_attn_implementation("eager" if backend is None else "sdpa")
+        for dtype in (torch.bfloat16, None):
+            model.autocast_dtype, label = dtype, f"{name}, {'bf16' if dtype else 'fp32'}"
+            try:
+                with sdpa_kernel(backend) if backend is not None else S.nullcontext():
+                    prompts = [tok(r["question"] * k)["input_ids"] for k, r in zip((1, 6, 2), rows)]
+                    comp, mask, h, lse = S.sample(model, prompts, 2, 8, 1.0, [0], 0,
+                                                  torch.Generator(device).manual_seed(0), keep_states=True)
+                    with torch.no_grad():
+                        h_full = S.completion_hidden(model, [p for p in prompts for _ in (0, 1)], comp, mask)
+                    finite = bool(torch.isfinite(h).all() and torch.isfinite(lse[mask]).all()
+                                  and torch.isfinite(h_full).all())
+                    report.append((f"padding, {label}: states finite", str(finite), finite))
+                    S.encode_prompt = lambda tok, q, reference=None: real_encode(tok, q)
+                    cfg = S.Config(algo="scgrpo", group_size=4, max_new_tokens=16, micro_batch=8)
+                    ro = S.rollout(model, tok, cfg, rows[:4], torch.Generator(device).manual_seed(0), [0])
+                    ro.correct = torch.tensor([[1.0, 1.0, 0.0, 0.0]] * 4)
+                    batch = S.make_batch(ro, ["partial"] * 4, S.group_advantages(ro.correct), random.Random(0))
+                    stats = S.self_condition(model, tok, cfg, ro, batch)
+                    ok = stats["kl_p95"] < 1e-3 and stats["kl_nonfinite"] == 0
+                    report.append((f"KL floor, {label}: P95 of D < 1e-3", f"{stats['kl_p95']:.2e}", ok))
+            except RuntimeError as e:  # a kernel that refuses masked or fp32 input is not used by HF
+                report.append((f"{label}", "kernel refused: " + str(e).splitlines()[0][:60], None))
+            finally:
+                S.encode_prompt = real_encode
+    model.set_attn_implementation("sdpa")
+    model.autocast_dtype = torch.bfloat16 if device.type == "cuda" else None
+    cfg = S.Config(**{**S.PRESETS["hub"], "max_new_tokens": 16 if args.small else 512, "lr": 1e-6})
+    if cfg.grad_checkpoint:
+        model.activation_checkpointing_enable({"use_reentrant": False})
+    S.verify = coin_reward
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    m, _ = S.train_step(model, opt, tok, cfg, rows, S.Batcher(len(rows), 0), random.Random(0),
+                        torch.Generator(device).manual_seed(0), [0])
+    tokens = m["len_mean"] * cfg.prompts_per_step * cfg.group_size
+    report.append(("one hub-preset step: finite loss", f"{m['loss']:.3g} in {m['t_sample'] + m['t_teacher'] + m['t_update']:.1f} s",
+                   math.isfinite(m["loss"])))
+    report.append(("sampling tokens/s", f"{tokens / m['t_sample']:.0f} ({tokens:.0f} tokens)", None))
+    S.peak_memory_gb(device)
+    S.evaluate(model, tok, rows[:cfg.eval_batch], cfg, [0], 8)
+    mem_eval = S.peak_memory_gb(device)
+    if device.type == "cuda":
+        phases = {k: m[k] for k in ("mem_sample_gb", "mem_teacher_gb", "mem_update_gb")}
+        report += [(f"peak {k[4:-3]} GiB", f"{v:.2f}", None) for k, v in phases.items()]
+        report.append(("evaluation peak <= a training step's peak", f"{mem_eval:.2f} GiB",
+                       mem_eval <= max(phases.values()) * 1.05))
+    print(f"\ngpu-check on {device} ({S.cuda_status()}), torch {torch.__version__}, "
+          f"{'toy' if args.small else 'Qwen2.5-0.5B'} shape\n")
+    print("| check | measured | result |\n|---|---|---|")
+    for check, measured, ok in report:
+        print(f"| {check} | {measured} | {'-' if ok is None else 'PASS' if ok else 'FAIL'} |")
+    failed = [c for c, _, ok in report if ok is False]
+    print(f"\n{len(failed)} failed" + (": " + "; ".join(failed) if failed else ""))
+    return 1 if failed else 0
+
+
+def rescore_cost(args):
+    """Under bf16 autocast the teacher pass re-scores the student instead of reading the
+    sampler's states (scgrpo.py, note 2). The teacher phase both ways on one batch: 4 questions
+    x 8 answers, 3 of them taken as correct (partial-solve groups), the median of 3 timings."""
+    model, tok = S.load_model(args.model, 0)
+    model.eval().autocast_dtype = torch.bfloat16
+    cfg = S.Config(algo="scgrpo", group_size=args.group, max_new_tokens=args.max_new,
+                   temperature=0.8, micro_batch=args.micro_batch)
+    rows = S.load_task(S.Config(task="gsm8k", data=args.data))[0][:args.prompts]
+    prompts = [S.encode_prompt(tok, r["question"]) for r in rows]
+    ids, mask, h, lse = S.sample(model, prompts, cfg.group_size, cfg.max_new_tokens, 0.8,
+                                 S.stop_ids(model, tok), tok.pad_token_id or 0,
+                                 torch.Generator().manual_seed(0), keep_states=True)
+    reward = torch.tensor([[1.0] * 3 + [0.0] * (cfg.group_size - 3)] * len(rows))
+    times = {"sampler states": [], "re-scored": []}
+    for _ in range(3):
+        for name, states in (("sampler states", (h, lse)), ("re-scored", (None, None))):
+            ro = S.Rollout(rows, prompts, ids, mask, S.decode(tok, ids, mask), reward, reward, *states)
+            batch = S.make_batch(ro, ["partial"] * len(rows), S.group_advantages(reward), random.Random(0))
+            t0 = time.time()
+            S.self_condition(model, tok, cfg, ro, batch)
+            times[name].append(time.time() - t0)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    print(f"teacher phase under bf16, {args.model}, {len(rows)} x {cfg.group_size} answers, "
+          f"{int(mask.sum())} tokens: " + ", ".join(f"{k} {v:.2f} s" for k, v in med.items()))
+    print(f"re-scored / sampler states: {med['re-scored'] / med['sampler states']:.2f}")
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True, help="local model folder (e.g. from make_offline_model.py)")
-    ap.add_argument("--data", required=True, help="folder with train.jsonl/test.jsonl (GSM8K schema)")
+    ap.add_argument("--model", help="local model folder (e.g. from make_offline_model.py) or SmolLM2-135M")
+    ap.add_argument("--data", help="folder with train.jsonl/test.jsonl (GSM8K schema)")
+    ap.add_argument("--gpu-check", action="store_true", help="check the GPU-only paths (see gpu_check)")
+    ap.add_argument("--small", action="store_true", help="--gpu-check at toy sizes (to test it on a CPU)")
+    ap.add_argument("--rescore-cost", action="store_true", help="bf16: teacher phase with and without "
+                    "re-scoring the student (see rescore_cost)")
     ap.add_argument("--prompts", type=int, default=8, help="prompts per step")
     ap.add_argument("--group", type=int, default=8, help="answers per prompt (G)")
     ap.add_argument("--max-new", type=int, default=32, help="answer length cap")
@@ -116,11 +238,19 @@ def main():
     ap.add_argument("--micro-batch", type=int, default=64, help="answers per forward/backward (divides prompts x group)")
     ap.add_argument("--grad-checkpoint", action="store_true", help="recompute layers in backward (both implementations)")
     ap.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    ap.add_argument("--impls", nargs="+", default=["grpo", "scgrpo", "trl"], help="what to run")
+    ap.add_argument("--impls", nargs="+", default=["grpo", "scgrpo", "trl"],
+                    help="what to run: grpo, scgrpo, dapo, trl, trl-scgrpo; @bf16 after ours: bf16 autocast")
     ap.add_argument("--only", default="", help=argparse.SUPPRESS)  # internal: run one impl, print JSON
     args = ap.parse_args()
+    if args.gpu_check:
+        sys.exit(gpu_check(args))
+    if not (args.model and args.data):
+        ap.error("--model and --data are needed (or --gpu-check)")
+    if args.rescore_cost:
+        return rescore_cost(args)
     if args.only:
-        print("RESULT " + json.dumps(run_trl(args) if args.only == "trl" else run_ours(args, args.only)))
+        run = run_trl(args, sc=args.only == "trl-scgrpo") if args.only.startswith("trl") else run_ours(args, args.only)
+        print("RESULT " + json.dumps(run))
         return
     results = {}
     for impl in args.impls:
@@ -141,8 +271,14 @@ def main():
               f"| {r['peak_gib']:.2f} | {r['reward']:.2f} |")
     if "grpo" in results and "trl" in results:
         print(f"\nours/TRL (GRPO step): {results['grpo']['total'] / results['trl']['total']:.3f}")
+    if "trl" in results and "trl-scgrpo" in results:
+        print(f"SCGRPOTrainer / TRL's GRPO step: {results['trl-scgrpo']['total'] / results['trl']['total']:.3f}")
     if "grpo" in results and "scgrpo" in results:
         print(f"SC-GRPO/GRPO step: {results['scgrpo']['total'] / results['grpo']['total']:.3f}")
+    for impl in results:
+        if impl.endswith("@bf16") and impl.split("@")[0] in results:
+            base = results[impl.split("@")[0]]
+            print(f"{impl} / fp32 step: {results[impl]['total'] / base['total']:.3f}")
 
 
 if __name__ == "__main__":

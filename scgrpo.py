@@ -24,8 +24,10 @@ Where this file simplifies or interprets the paper (each is one line or a flag):
     each micro-batch, so the update does not depend on --micro-batch (and the solve-none
     advantage, which needs f(D) of the whole group, is known before the loss).
  2. D is measured once per step, before the update, with the weights that sampled (pi_theta =
-    pi_old at the first PPO epoch). The student's distributions come from the sampler (its
-    hidden states and log-normalisers), so SC-GRPO costs one extra forward pass: the teacher's.
+    pi_old at the first PPO epoch). In fp32 the student's distributions come from the sampler
+    (its hidden states and log-normalisers), so SC-GRPO costs one extra forward pass, the
+    teacher's. Under bf16 autocast, incremental decoding and a full forward differ by more than
+    the KL floor allows (P95 1.2e-3 nats on SmolLM2), so the teacher pass re-scores the student.
  3. Solve-none groups: the reference o_r itself gets advantage 0 and no gradient, because its
     teacher context contains its own text, so its KL measures copying, not diversity.
  4. Solve-none groups: tokens past L_i = min(|o_i|, |o_r|) get weight 0, because the score s_i
@@ -127,6 +129,8 @@ class Config:
     max_bad_steps: int = opt(5, "consecutive non-finite steps before the run stops")
     seed: int = opt(0, "seeds python, torch and the sampler")
     device: str = opt("auto", "auto picks cuda > mps > cpu")
+    dtype: str = opt("auto", "bf16: forward passes under bf16 autocast (weights stay fp32), on "
+                             "a GPU or a CPU; fp32; auto: bf16 on cuda, else fp32")
     out: str = opt("", "run folder; default runs/<model>-<task>-<algo>-s<seed>-<time>")
 
 # -----------------------------------------------------------------------------
@@ -286,9 +290,12 @@ def rollout(model, tok, cfg, rows, gen, eos_ids):
     """Sample G answers to each row's question and grade them. -> Rollout"""
     G = cfg.group_size
     prompts = [encode_prompt(tok, r["question"]) for r in rows]
+    # In fp32 the sampler's states give the student's side of the KL for free; under bf16 they
+    # differ from a full forward by more than the KL floor allows, so the teacher pass re-scores
+    # the student (self_condition, note 2).
+    keep = cfg.algo == "scgrpo" and getattr(model, "autocast_dtype", None) is None
     ids, mask, hidden, lse = sample(model, prompts, G, cfg.max_new_tokens, cfg.temperature,
-                                    eos_ids, tok.pad_token_id, gen,
-                                    keep_states=cfg.algo == "scgrpo")
+                                    eos_ids, tok.pad_token_id, gen, keep_states=keep)
     texts = decode(tok, ids, mask)
     correct = torch.tensor([verify(t, rows[n // G]["answer"]) for n, t in enumerate(texts)])
     correct = correct.view(-1, G).float()                                          # (B, G)
@@ -411,8 +418,11 @@ def pack(ro, rows, n_tokens=None):
 
 def sc_weights(kl, mask, c_min=1e-4, q=0.75):
     """f(D) = D / (D + c), c = max(quantile_q(D over active tokens), c_min).
-    kl, mask (...) -> weights (...) in [0, 1), 0 outside mask; and c. No gradient."""
+    kl, mask (...) -> weights (...) in [0, 1), 0 outside mask; and c. No gradient.
+    Refuses a non-finite D: it would make c, hence every weight, NaN."""
     active = kl[mask]
+    if not bool(torch.isfinite(active).all()):
+        raise ValueError("sc_weights: non-finite KL values among the active tokens")
     c = max(float(torch.quantile(active.float(), q)) if active.numel() else 0.0, c_min)
     # f(D) = D / (D + c): tokens above the q-quantile keep more than half their gradient
     return torch.where(mask, kl / (kl + c), torch.zeros_like(kl)).detach(), c
@@ -469,12 +479,22 @@ def self_condition(model, tok, cfg, ro, batch):
         prompts = [encode_prompt(tok, ro.rows[j // G]["question"], reference=ro.texts[j])
                    for j in refs]
         L = mask.shape[1]
-        h_s, lse_s = ro.hidden[batch.row[mb], :L][mask], ro.lse[batch.row[mb], :L][mask]
+        if ro.hidden is not None:  # the sampler's states: (n, H), (n,)
+            h_s, lse_s = ro.hidden[batch.row[mb], :L][mask], ro.lse[batch.row[mb], :L][mask]
+        else:  # bf16: a full forward of the student's prompt + answer, as the teacher gets
+            groups, of = distinct((batch.row[mb] // G).tolist(), device)
+            h_s = shared_prefix_hidden(model, [ro.prompts[g] for g in groups], of, ids, mask)
+            lse_s = head_lse(h_s, model.get_output_embeddings(), cfg.temperature)
         d = teacher_kl(model, prompts, prompt_of, ids, mask, h_s, lse_s, cfg.temperature)  # (n,)
         batch.kl[mb, :L] = torch.zeros(mask.shape, device=device).masked_scatter(mask, d)
     # f(D), with c over the active tokens of the whole batch (note 1)
     active = torch.arange(batch.kl.shape[1]) < batch.n_active[:, None]             # (M, L)
     kl, active = batch.kl[routed], active[routed].to(device)                       # (R, L)
+    nonfinite = active & ~torch.isfinite(kl)  # one NaN would make c, hence every weight, NaN
+    if nonfinite.any():
+        tqdm.write(f"warning: {int(nonfinite.sum())} non-finite KL values this step; those "
+                   "tokens get weight 0 (kl_nonfinite in metrics.jsonl)")
+        kl, active = kl.masked_fill(nonfinite, 0.0), active & ~nonfinite
     weights, c = sc_weights(kl, active, cfg.c_min, cfg.kl_quantile)
     batch.weights[routed] = weights
     # Eq. (5): each solve-none group's answers get the diversity advantage instead of 0
@@ -487,7 +507,8 @@ def self_condition(model, tok, cfg, ro, batch):
         batch.adv[members] = diversity_advantages(w, ro.lengths[b], r, cfg.alpha_div)[i]
     q = torch.tensor([0.5, 0.75, 0.95], device=device)
     p50, p75, p95 = torch.quantile(kl[active].float(), q).tolist()
-    return dict(kl_p50=p50, kl_p75=p75, kl_p95=p95, c=c, weight_mean=float(weights[active].mean()))
+    return dict(kl_p50=p50, kl_p75=p75, kl_p95=p95, c=c, weight_mean=float(weights[active].mean()),
+                kl_nonfinite=int(nonfinite.sum()))
 
 # -----------------------------------------------------------------------------
 # The loss: the clipped GRPO objective, each token weighted by f(D)
@@ -593,16 +614,21 @@ def update(model, opt, cfg, ro, batch):
 def train_step(model, opt, tok, cfg, train_rows, batcher, rng, gen, eos_ids):
     """One update: sample -> reward -> advantages and routes -> (SC-GRPO) teacher KL and
     weights -> clipped update. -> (metrics, credit-view examples)"""
+    device = next(model.parameters()).device
+    peak_memory_gb(device)  # on CUDA: start counting this step's peaks
     t0 = time.time()
     ro, sampled, rounds = sample_groups(model, tok, cfg, train_rows, batcher, gen, eos_ids)
+    mem = [peak_memory_gb(device)]
     t1 = time.time()
     adv = group_advantages(ro.reward)                                              # (B, G)
     routes = route_groups(ro.reward, cfg.algo)
     batch = make_batch(ro, routes, adv, rng)
     routed = (batch.ref >= 0).nonzero().squeeze(1).tolist()
     sc_stats = self_condition(model, tok, cfg, ro, batch) if routed else {}
+    mem.append(peak_memory_gb(device))
     t2 = time.time()
     loss, clip_frac, grad_norm, stepped = update(model, opt, cfg, ro, batch)
+    mem.append(peak_memory_gb(device))
     metrics = dict(
         reward_mean=float(sampled.correct.mean()), loss=loss, grad_norm=grad_norm,
         clip_frac=clip_frac, len_mean=float(sampled.lengths.float().mean()),
@@ -612,6 +638,8 @@ def train_step(model, opt, tok, cfg, train_rows, batcher, rng, gen, eos_ids):
         t_sample=t1 - t0, t_teacher=t2 - t1, t_update=time.time() - t2)
     if cfg.algo == "dapo":
         metrics.update(sample_rounds=rounds, groups_dropped=len(sampled.rows) - len(ro.rows))
+    if mem[0] is not None:  # CUDA only: peak GiB allocated in each phase
+        metrics.update(zip(("mem_sample_gb", "mem_teacher_gb", "mem_update_gb"), mem))
     return metrics, credit_examples(tok, cfg, ro, batch, routed)
 
 
@@ -691,6 +719,7 @@ PRESETS = {
                 grad_checkpoint=True, micro_batch=8, eval_every=25, eval_n=200, eval_batch=64,
                 save_every=50),
 }
+CPU_MAX_PARAMS = 300e6  # a larger model on a CPU needs --device cpu (SmolLM2-135M: 8 min)
 MODEL_ALIASES = {name: f"Qwen/{name}-Instruct" for name in
                  ("Qwen2.5-0.5B", "Qwen2.5-1.5B", "Qwen2.5-Math-1.5B")}
 MODEL_ALIASES.update({name: f"Qwen/{name}" for name in ("Qwen3-0.6B", "Qwen3-1.7B")})
@@ -769,6 +798,8 @@ def check_config(cfg):
     if cfg.eval_n < 1 or cfg.eval_k < 0:
         die("--eval-n must be positive and --eval-k non-negative")
     gguf_path(cfg.model)  # a missing weights package or a non-GGUF file fails here, at once
+    if cfg.dtype not in ("auto", "bf16", "fp32"):
+        die(f"unknown --dtype {cfg.dtype!r}; use auto, bf16 or fp32")
     if cfg.device not in ("auto", "cpu", "cuda", "mps"):
         die(f"unknown --device {cfg.device!r}; use auto, cpu, cuda or mps")
     if cfg.device == "cuda" and not torch.cuda.is_available():
@@ -785,9 +816,34 @@ def pick_device(name):
     return torch.device("mps" if torch.backends.mps.is_available() else "cpu")
 
 
-def autocast(device):
-    """bf16 autocast on GPU (weights stay fp32); plain fp32 elsewhere."""
-    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+def cuda_status():
+    """One phrase on CUDA, for the start line: the GPU used, or why there is none."""
+    if torch.version.cuda is None:
+        return "no CUDA: this torch is a CPU-only build"
+    if not torch.cuda.is_available():
+        try:
+            torch.cuda.init()
+            why = "no GPU is visible"
+        except Exception as e:  # e.g. a driver older than the CUDA this torch was built for
+            why = str(e).strip().splitlines()[0][:120] if str(e).strip() else type(e).__name__
+        return f"no CUDA: torch is built for CUDA {torch.version.cuda}, but {why}"
+    return f"CUDA {torch.version.cuda}, {torch.cuda.get_device_name()}"
+
+
+def peak_memory_gb(device):
+    """Peak memory allocated on a CUDA device since the last call, in GiB (None off CUDA)."""
+    if device.type != "cuda":
+        return None
+    peak = torch.cuda.max_memory_allocated(device) / 2 ** 30
+    torch.cuda.reset_peak_memory_stats(device)
+    return peak
+
+
+def autocast(model):
+    """bf16 autocast if the run asked for it (--dtype, set on the model by Run; the weights stay
+    fp32 either way), on whatever device the model is; else plain fp32."""
+    dtype = getattr(model, "autocast_dtype", None)
+    return torch.autocast(model.device.type, dtype=dtype) if dtype else nullcontext()
 
 # -----------------------------------------------------------------------------
 # Data files and the hub
@@ -949,12 +1005,14 @@ def evaluate(model, tok, rows, cfg, eos_ids, k):
     device = next(model.parameters()).device
     gen = torch.Generator(device).manual_seed(cfg.seed + 7919)
     greedy, sampled, shown = [], [], []
-    for i in tqdm(range(0, len(rows), cfg.eval_batch), desc="eval", leave=False, disable=None):
-        batch = rows[i:i + cfg.eval_batch]
-        prompts = [encode_prompt(tok, r["question"]) for r in batch]
-        for n, temp, into in ((1, 0.0, greedy), (k, cfg.temperature, sampled)):
-            if n == 0:
-                continue
+    # A sampler call holds at most max(eval_batch, a training step's answers) rows of KV cache,
+    # so Avg@k never needs more memory than greedy evaluation or a training step's sampling.
+    max_rows = max(cfg.eval_batch, cfg.prompts_per_step * cfg.group_size)
+    for n, temp, into in ((1, 0.0, greedy), (k, cfg.temperature, sampled)):
+        q = max(1, min(cfg.eval_batch, max_rows // max(n, 1)))  # questions per call
+        for i in tqdm(range(0, len(rows) if n else 0, q), desc="eval", leave=False, disable=None):
+            batch = rows[i:i + q]
+            prompts = [encode_prompt(tok, r["question"]) for r in batch]
             ids, mask, _, _ = sample(model, prompts, n, cfg.max_new_tokens, temp, eos_ids,
                                      tok.pad_token_id, gen)
             texts = decode(tok, ids, mask)
@@ -1007,7 +1065,13 @@ class Run:
             self.model, self.tok = load_model(cfg.model, cfg.seed)
         if self.tok.pad_token_id is None:
             self.tok.pad_token = self.tok.eos_token
+        n_params = sum(p.numel() for p in self.model.parameters())
+        if device.type == "cpu" and cfg.device == "auto" and n_params > CPU_MAX_PARAMS:
+            die(f"{n_params / 1e6:.0f}M parameters would train on the CPU ({cuda_status()}), which "
+                "takes days at this preset; fix CUDA, or pass --device cpu to run it anyway")
         self.model.to(device).eval()  # no dropout: eval and train mode compute the same function
+        bf16 = cfg.dtype == "bf16" or (cfg.dtype == "auto" and device.type == "cuda")
+        self.model.autocast_dtype = torch.bfloat16 if bf16 else None  # read by autocast()
         if cfg.grad_checkpoint:
             self.model.activation_checkpointing_enable({"use_reentrant": False})
         self.eos_ids = stop_ids(self.model, self.tok)
@@ -1022,18 +1086,24 @@ class Run:
         with open(os.path.join(cfg.out, "config.json"), "w") as f:
             json.dump(dataclasses.asdict(cfg), f, indent=2)
         print("config:", json.dumps(dataclasses.asdict(cfg)))
-        n_params = sum(p.numel() for p in self.model.parameters())
-        print(f"model {cfg.model}: {n_params / 1e6:.1f}M parameters on {device} | train "
+        print(f"model {cfg.model}: {n_params / 1e6:.1f}M parameters on {device} "
+              f"({'bf16 autocast' if bf16 else 'fp32'}; {cuda_status()}) | train "
               f"{len(self.train_rows)} | eval {len(self.eval_rows)} | out {cfg.out}")
         self.metrics_f = open(self.metrics_path, "a", buffering=1)
         self.samples_f = open(os.path.join(cfg.out, "samples.jsonl"), "a", buffering=1)
 
     def resume(self, ckpt):
-        st = torch.load(os.path.join(ckpt, "state.pt"), weights_only=False)
-        self.opt.load_state_dict(st["optimizer"])
+        # map_location: a checkpoint written on a GPU resumes on a CPU and the other way round
+        st = torch.load(os.path.join(ckpt, "state.pt"), map_location="cpu", weights_only=False)
+        self.opt.load_state_dict(st["optimizer"])  # moves its state to the parameters' device
         self.rng.setstate(st["python_rng"])
         torch.set_rng_state(st["torch_rng"])
-        self.gen.set_state(st["sampler_rng"])
+        if st.get("sampler_device", "cpu") == self.gen.device.type:
+            self.gen.set_state(st["sampler_rng"])
+        else:  # a CUDA generator's state does not fit a CPU one: a new, still seeded stream
+            self.gen.manual_seed(self.cfg.seed + st["step"])
+            print(f"note: resumed on {self.gen.device.type}, saved on {st['sampler_device']}: "
+                  "the sampler's random stream restarts (seeded), so samples differ from there")
         self.batcher.epoch, self.batcher.pos = st["batcher"]
         self.start, self.bad = st["step"] + 1, st["bad_steps"]
         keep = []  # drop the lines of steps past the checkpoint: they are re-run
@@ -1050,8 +1120,11 @@ class Run:
         self.metrics_f.flush()
 
     def evaluate(self, step, credit=None):
-        cfg = self.cfg
+        cfg, device = self.cfg, self.model.device
+        peak_memory_gb(device)
         res, shown = evaluate(self.model, self.tok, self.eval_rows, cfg, self.eos_ids, cfg.eval_k)
+        if device.type == "cuda":
+            res["mem_eval_gb"] = peak_memory_gb(device)
         self.log({"step": step, **res})
         for s in shown:
             self.samples_f.write(json.dumps({"step": step, **s}) + "\n")
@@ -1064,6 +1137,7 @@ class Run:
     def save(self, step):
         state = dict(optimizer=self.opt.state_dict(), python_rng=self.rng.getstate(),
                      torch_rng=torch.get_rng_state(), sampler_rng=self.gen.get_state(),
+                     sampler_device=self.gen.device.type,
                      batcher=(self.batcher.epoch, self.batcher.pos), step=step, bad_steps=self.bad)
         save_checkpoint(os.path.join(self.cfg.out, "ckpt"), self.model, self.tok, self.cfg, state)
 
@@ -1229,7 +1303,7 @@ def sample(model, prompts, n, max_new, temperature, eos_ids, pad_id, gen, keep_s
     base, head = model.base_model, model.get_output_embeddings()
     ids, attn = left_pad(prompts, pad_id, device)                                  # (B, P)
     pos = (attn.cumsum(-1) - 1).clamp(min=0)                                       # (B, P)
-    with autocast(device):
+    with autocast(model):
         out = base(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True)
     cache = out.cache
     cache.batch_repeat_interleave(n)
@@ -1261,7 +1335,7 @@ def sample(model, prompts, n, max_new, temperature, eos_ids, pad_id, gen, keep_s
             cache.batch_select_indices(keep)
             alive, tok, attn, pos = alive[keep], tok[keep], attn[keep], pos[keep]
         attn, pos = torch.cat([attn, attn.new_ones(len(alive), 1)], 1), pos + 1
-        with autocast(device):
+        with autocast(model):
             out = base(input_ids=tok[:, None], attention_mask=attn, position_ids=pos,
                        cache=cache, use_cache=True)
         h = out.last_hidden_state[:, -1].float()
@@ -1285,8 +1359,9 @@ def completion_hidden(model, prompts, comp_ids, resp_mask):
     ids = torch.cat([p_ids, comp_ids], 1)                                          # (B, P+L)
     attn = torch.cat([p_mask, resp_mask.long()], 1)
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
-    with autocast(ids.device):
-        h = model.base_model(input_ids=ids, attention_mask=attn, position_ids=pos).last_hidden_state
+    with autocast(model):
+        h = model.base_model(input_ids=ids, attention_mask=attn, position_ids=pos,
+                             use_cache=False).last_hidden_state
     return h[:, p_ids.shape[1] - 1:-1][resp_mask].float()  # fp32 for the fp32 head  (n, H)
 
 
@@ -1323,7 +1398,7 @@ def run_after(model, ctx, ids, mask, rows=None):
         ctx["mask"], ctx["last_pos"] = ctx["mask"][rows], ctx["last_pos"][rows]
     attn = torch.cat([ctx["mask"], mask.long()], 1)                                # (b, c+n)
     pos = (ctx["last_pos"][:, None] + mask.long().cumsum(1)).clamp(min=0)          # (b, n)
-    with autocast(ids.device):
+    with autocast(model):
         out = model.base_model(input_ids=ids, attention_mask=attn, position_ids=pos,
                                cache=ctx["cache"], use_cache=True)
     ctx.update(cache=out.cache, mask=attn, last_pos=pos[:, -1])
@@ -1355,14 +1430,10 @@ class HeadLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h, weight, targets, temperature, block):
-        a = h / temperature                                                        # z = a W^T
-        m, s = h.new_full((h.shape[0],), -math.inf), h.new_zeros(h.shape[0])
-        for j in range(0, weight.shape[0], block):
-            m, s, _ = fold_block_(m, s, a @ weight[j:j + block].T)                 # (N, block)
-        lse = m + s.log()                                                          # (N,)
+        lse = head_lse(h, weight, temperature, block)                              # (N,)
         ctx.save_for_backward(h, weight, targets, lse)
         ctx.temperature, ctx.block = temperature, block
-        return (a * weight[targets]).sum(-1) - lse                                 # z_t - lse
+        return (h / temperature * weight[targets]).sum(-1) - lse                   # z_t - lse
 
     @staticmethod
     def backward(ctx, g):
@@ -1376,6 +1447,19 @@ class HeadLogprobs(torch.autograd.Function):
             grad_h -= q @ w
             grad_w[j:j + ctx.block] -= q.T @ h
         return grad_h, grad_w, None, None, None
+
+
+@torch.no_grad()
+def head_lse(h, head, temperature, block=None):
+    """torch.logsumexp(h @ W.T / T, -1) without the (N, V) logits. head: the LM head or its
+    weight W (V, H); h (N, H) -> (N,), in fp32 or wider."""
+    dtype = torch.promote_types(h.dtype, torch.float32)  # at least fp32 (float64 in gradcheck)
+    weight, a = getattr(head, "weight", head), h.to(dtype) / temperature
+    m, s = a.new_full((a.shape[0],), -math.inf), a.new_zeros(a.shape[0])
+    block = block or vocab_block(a.shape[0], a.device)
+    for j in range(0, weight.shape[0], block):
+        m, s, _ = fold_block_(m, s, a @ weight[j:j + block].to(dtype).T)          # (N, block)
+    return m + s.log()
 
 
 def head_logprobs(head, h, targets, temperature, block=None):

