@@ -221,6 +221,15 @@ def rescore_cost(args):
     print(f"teacher phase under bf16, {args.model}, {len(rows)} x {cfg.group_size} answers, "
           f"{int(mask.sum())} tokens: " + ", ".join(f"{k} {v:.2f} s" for k, v in med.items()))
     print(f"re-scored / sampler states: {med['re-scored'] / med['sampler states']:.2f}")
+    # The KL floor: the teacher given the student's own prompt, so D should be rounding only.
+    real_encode = S.encode_prompt
+    S.encode_prompt = lambda tok, q, reference=None: real_encode(tok, q)
+    for name, states in (("sampler states", (h, lse)), ("re-scored", (None, None))):
+        ro = S.Rollout(rows, prompts, ids, mask, S.decode(tok, ids, mask), reward, reward, *states)
+        batch = S.make_batch(ro, ["partial"] * len(rows), S.group_advantages(reward), random.Random(0))
+        st = S.self_condition(model, tok, cfg, ro, batch)
+        print(f"KL floor under bf16, student from {name}: P50 {st['kl_p50']:.2e}, P95 {st['kl_p95']:.2e}")
+    S.encode_prompt = real_encode
 
 
 def main():

@@ -3,7 +3,7 @@ Compare GRPO, DAPO and SC-GRPO with the same budget over several seeds: a Markdo
 mean +- std over seeds (final greedy accuracy, Avg@8, Pass@8, steps to a target accuracy, the
 median kl_p75 of SC-GRPO) and, with --plot, a PNG of held-out greedy accuracy against step.
 
-    python compare.py                               # tiny / arith, 5 seeds: 12 minutes
+    python compare.py                               # tiny / arith, 5 seeds: 8-12 minutes
     python compare.py --study smollm2 --plot runs/compare-smollm2/curve.png   # real model, 3 seeds: 49 min
     python compare.py --seeds 0 1 --jobs 1 -- --steps 500     # flags after -- go to scgrpo.py
 
