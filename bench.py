@@ -117,6 +117,20 @@ def run_trl(args, sc=False):
                 reward=statistics.mean(rewards_seen), updated=None, peak_gib=peak_memory_gib(device))
 
 
+def partial_teacher_pass(model, tok, cfg, ro, own_prompt=False):
+    """scgrpo.self_condition on `ro` with every group routed 'partial' (references drawn from
+    seed 0). own_prompt: the teacher gets the student's own prompt, so D measures only the
+    rounding between the two passes (the KL floor). -> its metrics"""
+    real_encode = S.encode_prompt
+    if own_prompt:
+        S.encode_prompt = lambda tok, q, reference=None: real_encode(tok, q)
+    try:
+        batch = S.make_batch(ro, ["partial"] * len(ro.rows), S.group_advantages(ro.reward), random.Random(0))
+        return S.self_condition(model, tok, cfg, ro, batch)
+    finally:
+        S.encode_prompt = real_encode
+
+
 def gpu_check(args):
     """The paths of scgrpo.py that only a GPU takes, as one pass/fail table: for every attention
     kernel, left-padded batches give finite states and the teacher given the student's own
@@ -137,7 +151,6 @@ def gpu_check(args):
     kernels = [("eager", None), ("sdpa math", SDPBackend.MATH), ("sdpa flash", SDPBackend.FLASH_ATTENTION)]
     if device.type == "cuda":
         kernels += [("sdpa efficient", SDPBackend.EFFICIENT_ATTENTION), ("sdpa cudnn", SDPBackend.CUDNN_ATTENTION)]
-    real_encode = S.encode_prompt
     for name, backend in kernels:
         model.set_attn_implementation("eager" if backend is None else "sdpa")
         for dtype in (torch.bfloat16, None):
@@ -152,18 +165,14 @@ def gpu_check(args):
                     finite = bool(torch.isfinite(h).all() and torch.isfinite(lse[mask]).all()
                                   and torch.isfinite(h_full).all())
                     report.append((f"padding, {label}: states finite", str(finite), finite))
-                    S.encode_prompt = lambda tok, q, reference=None: real_encode(tok, q)
                     cfg = S.Config(algo="scgrpo", group_size=4, max_new_tokens=16, micro_batch=8)
                     ro = S.rollout(model, tok, cfg, rows[:4], torch.Generator(device).manual_seed(0), [0])
-                    ro.correct = torch.tensor([[1.0, 1.0, 0.0, 0.0]] * 4)
-                    batch = S.make_batch(ro, ["partial"] * 4, S.group_advantages(ro.correct), random.Random(0))
-                    stats = S.self_condition(model, tok, cfg, ro, batch)
+                    ro.correct = ro.reward = torch.tensor([[1.0, 1.0, 0.0, 0.0]] * 4)
+                    stats = partial_teacher_pass(model, tok, cfg, ro, own_prompt=True)
                     ok = stats["kl_p95"] < 1e-3 and stats["kl_nonfinite"] == 0
                     report.append((f"KL floor, {label}: P95 of D < 1e-3", f"{stats['kl_p95']:.2e}", ok))
             except RuntimeError as e:  # a kernel that refuses masked or fp32 input is not used by HF
                 report.append((f"{label}", "kernel refused: " + str(e).splitlines()[0][:60], None))
-            finally:
-                S.encode_prompt = real_encode
     model.set_attn_implementation("sdpa")
     model.autocast_dtype = torch.bfloat16 if device.type == "cuda" else None
     cfg = S.Config(**{**S.PRESETS["hub"], "max_new_tokens": 16 if args.small else 512, "lr": 1e-6})
@@ -209,27 +218,21 @@ def rescore_cost(args):
                                  S.stop_ids(model, tok), tok.pad_token_id or 0,
                                  torch.Generator().manual_seed(0), keep_states=True)
     reward = torch.tensor([[1.0] * 3 + [0.0] * (cfg.group_size - 3)] * len(rows))
-    times = {"sampler states": [], "re-scored": []}
+    texts, ways = S.decode(tok, ids, mask), {"sampler states": (h, lse), "re-scored": (None, None)}
+    rollouts = {k: S.Rollout(rows, prompts, ids, mask, texts, reward, reward, *v) for k, v in ways.items()}
+    times = {k: [] for k in ways}
     for _ in range(3):
-        for name, states in (("sampler states", (h, lse)), ("re-scored", (None, None))):
-            ro = S.Rollout(rows, prompts, ids, mask, S.decode(tok, ids, mask), reward, reward, *states)
-            batch = S.make_batch(ro, ["partial"] * len(rows), S.group_advantages(reward), random.Random(0))
+        for name, ro in rollouts.items():
             t0 = time.time()
-            S.self_condition(model, tok, cfg, ro, batch)
+            partial_teacher_pass(model, tok, cfg, ro)
             times[name].append(time.time() - t0)
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"teacher phase under bf16, {args.model}, {len(rows)} x {cfg.group_size} answers, "
           f"{int(mask.sum())} tokens: " + ", ".join(f"{k} {v:.2f} s" for k, v in med.items()))
     print(f"re-scored / sampler states: {med['re-scored'] / med['sampler states']:.2f}")
-    # The KL floor: the teacher given the student's own prompt, so D should be rounding only.
-    real_encode = S.encode_prompt
-    S.encode_prompt = lambda tok, q, reference=None: real_encode(tok, q)
-    for name, states in (("sampler states", (h, lse)), ("re-scored", (None, None))):
-        ro = S.Rollout(rows, prompts, ids, mask, S.decode(tok, ids, mask), reward, reward, *states)
-        batch = S.make_batch(ro, ["partial"] * len(rows), S.group_advantages(reward), random.Random(0))
-        st = S.self_condition(model, tok, cfg, ro, batch)
+    for name, ro in rollouts.items():  # the KL floor: the teacher given the student's own prompt
+        st = partial_teacher_pass(model, tok, cfg, ro, own_prompt=True)
         print(f"KL floor under bf16, student from {name}: P50 {st['kl_p50']:.2e}, P95 {st['kl_p95']:.2e}")
-    S.encode_prompt = real_encode
 
 
 def main():

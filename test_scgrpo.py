@@ -22,10 +22,15 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SHARED = os.path.join(HERE, "..", "shared")
 
 
-def run(*args, timeout=300):
+# Runs compared digit for digit use one CPU thread: with more, a busy machine can change how a
+# reduction is split (seen here: the same command twice, first difference at step 528).
+ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+def run(*args, timeout=300, env=None):
     """Run scgrpo.py in a subprocess -> CompletedProcess (text)."""
     return subprocess.run([sys.executable, os.path.join(HERE, "scgrpo.py"), *args], capture_output=True,
-                          text=True, timeout=timeout, cwd=HERE)
+                          text=True, timeout=timeout, cwd=HERE, env=env)
 
 
 def read_metrics(out):
@@ -563,9 +568,9 @@ def train_lines(out, after=0):
 def test_sigint_then_resume_equals_an_uninterrupted_run(tmp_path):
     args = ["--algo", "scgrpo", "--steps", "120", "--eval-every", "1000", "--eval-k", "0", "--seed", "3"]
     ref = str(tmp_path / "ref")
-    assert run(*args, "--out", ref).returncode == 0
+    assert run(*args, "--out", ref, env=ONE_THREAD).returncode == 0
     out = str(tmp_path / "cut")
-    p = subprocess.Popen([sys.executable, "scgrpo.py", *args, "--out", out], cwd=HERE,
+    p = subprocess.Popen([sys.executable, "scgrpo.py", *args, "--out", out], cwd=HERE, env=ONE_THREAD,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = os.path.join(out, "metrics.jsonl")
     deadline = time.time() + 120
@@ -578,7 +583,8 @@ def test_sigint_then_resume_equals_an_uninterrupted_run(tmp_path):
     assert p.returncode == 130, stderr[-2000:]
     resume_cmd = [ln.strip() for ln in stdout.splitlines() if "--resume" in ln][-1].split()
     assert resume_cmd[:2] == ["python", "scgrpo.py"]
-    r = subprocess.run([sys.executable, *resume_cmd[1:]], cwd=HERE, capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, *resume_cmd[1:]], cwd=HERE, capture_output=True, text=True, timeout=300,
+                       env=ONE_THREAD)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "resuming" in r.stdout and train_lines(out) == train_lines(ref)
 
@@ -586,9 +592,9 @@ def test_sigint_then_resume_equals_an_uninterrupted_run(tmp_path):
 def test_resume_with_more_steps_equals_one_long_run(tmp_path):
     args = ["--algo", "grpo", "--eval-every", "1000", "--eval-k", "0", "--seed", "5"]
     long_, short = str(tmp_path / "long"), str(tmp_path / "short")
-    assert run(*args, "--steps", "40", "--out", long_).returncode == 0
-    assert run(*args, "--steps", "25", "--out", short).returncode == 0
-    r = run("--resume", short, "--steps", "40")
+    assert run(*args, "--steps", "40", "--out", long_, env=ONE_THREAD).returncode == 0
+    assert run(*args, "--steps", "25", "--out", short, env=ONE_THREAD).returncode == 0
+    r = run("--resume", short, "--steps", "40", env=ONE_THREAD)
     assert r.returncode == 0, r.stderr[-2000:]
     assert train_lines(short, after=25) == train_lines(long_, after=25)
     assert len(train_lines(short)) == 40
