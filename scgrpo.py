@@ -463,7 +463,7 @@ def self_condition(model, tok, cfg, ro, batch):
     teacher (one teacher forward pass), the weights f(D), and in solve-none groups the
     diversity advantage of Eq. (5). Fills batch.n_active, kl, weights and adv; -> metrics."""
     G, device = cfg.group_size, ro.mask.device
-    lengths = ro.mask.sum(1).cpu()                                                 # (N,)
+    lengths = ro.lengths.view(-1)                                                  # (N,)
     # Active tokens: all of a partial-solve answer, the first L_i = min(|o_i|, |o_r|) in a
     # solve-none one (note 4).
     none = torch.tensor([r == "none" for r in batch.route], dtype=torch.bool)      # (M,)
@@ -556,7 +556,7 @@ def update(model, opt, cfg, ro, batch):
     """ppo_epochs AdamW steps on the clipped objective, gradients accumulated over
     micro-batches. -> (loss, clip_frac, grad_norm, stepped)"""
     head, device, G = model.get_output_embeddings(), ro.mask.device, cfg.group_size
-    lengths = ro.mask.sum(1).cpu()[batch.row]                                      # (M,)
+    lengths = ro.lengths.view(-1)[batch.row]                                       # (M,)
     total_tokens = int(lengths.sum())
     # The objective's normaliser, per token: GRPO 1/G sum_i 1/|o_i|, averaged over the B
     # groups; DAPO one token-level mean over the whole batch.
