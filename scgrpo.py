@@ -52,6 +52,13 @@ Where this file simplifies or interprets the paper (each is one line or a flag):
     gradient-norm clipping at 1.0 (the paper is silent).
 11. The guide instruction of the teacher prompt is our own wording (App. E.1 does not publish
     it); the tiny model uses a one-character separator.
+12. DAPO's dynamic sampling refills the batch for at most --dapo-max-rounds = 3 sampling rounds
+    per step (the paper refills until full); a step after the last round trains on fewer groups.
+13. DAPO's overlong shaping is on by default for real models: --overlong-buffer defaults to
+    max_new_tokens // 4 (the last quarter of the cap); the tiny model's 2-token answers get 0.
+14. A token whose D is not finite (NaN or inf, e.g. from a bf16 overflow) gets weight 0 and is
+    left out of c and the KL quantiles, with a warning and kl_nonfinite in metrics.jsonl,
+    instead of making c, hence every weight of the step, NaN.
 
 Run it:
     python scgrpo.py --model tiny --task arith              # offline, CPU, under 2 min

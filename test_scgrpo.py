@@ -54,6 +54,314 @@ def pad_rows(rows, value=0):
 def tiny():
     return S.make_tiny(0)
 
+# ----------------------------------------------------------------------------- the reference step
+# One whole update written a second time, as plainly as possible, from ../shared/PAPER_NOTES.md
+# and the numbered notes of scgrpo.py's docstring. It shares nothing with the code it checks but
+# the model, the tokenizer and encode_prompt: one forward per answer over the full vocabulary,
+# F.log_softmax, F.kl_div, torch.quantile, Python loops over groups, answers and tokens.
+
+REF_T = 0.7      # a temperature != 1, so a missing / T shows
+REF_G = 5
+# Answers to four questions as token ids of the tiny model (digit d is id d + 2, EOS is 0), with
+# the verifier's verdicts fixed by hand so that every route occurs: partial (n_c = 3), solve-none
+# (lengths 1..6, so L_i = min(|o_i|, |o_r|) cuts), fallback (n_c = 1) and skip (n_c = G). The
+# last answer of the first group was cut at max_new_tokens (no EOS).
+REF_TABLE = [
+    ("3+4=", [[9, 0], [8, 0], [9, 0], [3, 4, 0], [5, 5, 4, 3, 2, 7]], [1, 0, 1, 1, 0]),
+    ("7+8=", [[3, 7, 0], [0], [3, 6, 6, 4, 0], [9, 9, 0], [2, 3, 4, 5, 6, 0]], [0, 0, 0, 0, 0]),
+    ("9+9=", [[3, 2, 0], [3, 10, 0], [2, 0], [3, 9, 9, 0], [4, 0]], [0, 1, 0, 0, 0]),
+    ("1+1=", [[4, 0], [4, 0], [4, 0], [4, 0], [4, 0]], [1, 1, 1, 1, 1]),
+]
+REF_MAX_NEW = 6
+
+
+def ref_logprobs(model, prompt, answer):
+    """log_softmax(logits / T) at each answer position: (|o|, V), one plain forward."""
+    logits = model(torch.tensor([prompt + answer])).logits[0, len(prompt) - 1:-1]
+    return F.log_softmax(logits.float() / REF_T, -1)
+
+
+def reference_credit(model, tok, questions, answers, correct, refs, alpha=0.1, c_min=1e-4, q=0.75):
+    """Routes, advantages and per-token weights of SC-GRPO, plainly. answers[b][i]: token ids;
+    correct[b][i]: 0/1; refs {(b, i): j}: the reference the code under test drew for each
+    answer with a teacher (its draws are random; the rule they must obey is checked here).
+    -> routes [B], adv {(b, i): float}, weights {(b, i): (|o_i|,)}, c"""
+    B, G = len(answers), len(answers[0])
+    routes, adv, weights = [], {}, {}
+    for b in range(B):
+        r = [float(x) for x in correct[b]]
+        mean = sum(r) / G
+        std = (sum((x - mean) ** 2 for x in r) / G) ** 0.5
+        n_c = int(sum(r))
+        routes.append("skip" if n_c == G else "none" if n_c == 0 else "fallback" if n_c == 1
+                      else "partial")
+        for i in range(G):  # Eq. (1), population std; an all-equal group has advantage 0
+            adv[b, i] = (r[i] - mean) / std if std > 0 else 0.0
+    D = {}
+    with torch.no_grad():
+        for b in range(B):
+            if routes[b] == "partial":
+                for i in range(G):
+                    j = refs[b, i]
+                    assert correct[b][j] == 1 and j != i, (b, i, j)  # a verified, other answer
+            if routes[b] == "none":
+                o_r = [i for i in range(G) if (b, i) not in refs]
+                assert len(o_r) == 1 and all(refs[b, i] == o_r[0] for i in range(G) if i != o_r[0])
+            if routes[b] not in ("partial", "none"):
+                assert not any((b, i) in refs for i in range(G)), b
+            for i in range(G):
+                if (b, i) not in refs:
+                    continue
+                j, o = refs[b, i], answers[b][i]
+                student = ref_logprobs(model, S.encode_prompt(tok, questions[b]), o)
+                teacher_prompt = S.encode_prompt(tok, questions[b], reference=tok.decode(
+                    answers[b][j], skip_special_tokens=True))
+                teacher = ref_logprobs(model, teacher_prompt, o)
+                # D_t = KL(teacher || student): F.kl_div(input, target) = sum target (log target - input)
+                d = F.kl_div(student, teacher, log_target=True, reduction="none").sum(-1)  # (|o|,)
+                if routes[b] == "none":  # only the first L_i = min(|o_i|, |o_r|) tokens (note 4)
+                    d = d[:min(len(o), len(answers[b][j]))]
+                D[b, i] = d
+    c = max(float(torch.quantile(torch.cat(list(D.values())), q)), c_min) if D else None
+    for b in range(B):
+        for i in range(G):
+            if (b, i) in D:
+                f = torch.zeros(len(answers[b][i]))
+                f[:len(D[b, i])] = D[b, i] / (D[b, i] + c)   # f(D) = D / (D + c)
+                weights[b, i] = f
+            elif routes[b] in ("partial", "fallback"):
+                weights[b, i] = torch.ones(len(answers[b][i]))
+        if routes[b] == "none":  # Eq. (5) over the G - 1 answers other than o_r (notes 3, 5)
+            others = [i for i in range(G) if (b, i) in D]
+            s = torch.tensor([float(weights[b, i][:len(D[b, i])].sum()) / len(D[b, i])
+                              for i in others])
+            a_div = (s - s.mean()) / (s.std(unbiased=False) + 1e-6)
+            for k, i in enumerate(others):
+                adv[b, i] = alpha * float(a_div[k])
+    return routes, adv, weights, c
+
+
+def grpo_credit(correct):
+    """GRPO and DAPO: Eq. (1), weight 1 on every token, groups of equal rewards skipped."""
+    adv, keep = {}, {}
+    for b, r in enumerate(correct):
+        r = [float(x) for x in r]
+        mean = sum(r) / len(r)
+        std = (sum((x - mean) ** 2 for x in r) / len(r)) ** 0.5
+        for i in range(len(r)):
+            adv[b, i] = (r[i] - mean) / std if std > 0 else 0.0
+        keep[b] = std > 0
+    return adv, keep
+
+
+def reference_update(model, tok, questions, answers, adv, weights, n_groups, algo, opt, epochs,
+                     eps=0.2):
+    """ppo_epochs optimizer steps of the clipped objective, plainly, one answer at a time.
+    GRPO / SC-GRPO: J = 1/B sum_groups 1/G sum_i 1/|o_i| sum_t f(D_it) min(rho A, clip(rho) A);
+    DAPO: sum over every token / their number, clip-higher 0.28. -> gradients of each epoch"""
+    eps_high = 0.28 if algo == "dapo" else eps
+    G = len(answers[0])
+    prompts = [S.encode_prompt(tok, q) for q in questions]
+
+    def chosen_logprobs(b, i):
+        o = answers[b][i]
+        return ref_logprobs(model, prompts[b], o).gather(-1, torch.tensor(o)[:, None]).squeeze(-1)
+    with torch.no_grad():  # pi_old: frozen for every epoch
+        old = {k: chosen_logprobs(*k) for k in weights}
+    n_tokens = sum(len(answers[b][i]) for b, i in weights)
+    grads, n_clipped = [], []
+    for _ in range(epochs):
+        total, clipped = 0.0, 0
+        for (b, i), w in weights.items():
+            rho = torch.exp(chosen_logprobs(b, i) - old[b, i])
+            A = adv[b, i]
+            term = torch.min(rho * A, torch.clamp(rho, 1 - eps, 1 + eps_high) * A)
+            if algo == "dapo":
+                total = total + (w * term).sum() / n_tokens
+            else:
+                total = total + (w * term).sum() / len(answers[b][i]) / (G * n_groups)
+            clipped += int(((rho < 1 - eps) | (rho > 1 + eps_high)).sum())
+        opt.zero_grad()
+        (-total).backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        n_clipped.append(clipped)
+        opt.step()
+    return grads, n_clipped
+
+
+class RecordingSGD(torch.optim.SGD):
+    """Plain SGD that keeps the gradient of every step: the update's result, with no AdamW
+    normalisation to hide a wrong scale."""
+
+    def __init__(self, params, lr):
+        super().__init__(params, lr=lr)
+        self.seen = []
+
+    def step(self, closure=None):
+        self.seen.append([p.grad.clone() for g in self.param_groups for p in g["params"]])
+        return super().step(closure)
+
+
+def fixed_rollout(model, tok, cfg, rows):
+    """The rollout of REF_TABLE for `rows`, as scgrpo.rollout returns it: padded answers, fixed
+    verdicts, and (SC-GRPO in fp32) the student's states from one plain forward per answer."""
+    table = {q: (a, c) for q, a, c in REF_TABLE}
+    G, L = cfg.group_size, REF_MAX_NEW
+    prompts = [S.encode_prompt(tok, r["question"]) for r in rows]
+    answers = [o for r in rows for o in table[r["question"]][0]]
+    ids = torch.zeros(len(answers), L, dtype=torch.long)
+    mask = torch.zeros(len(answers), L, dtype=torch.bool)
+    hidden, lse = torch.zeros(len(answers), L, 64), torch.zeros(len(answers), L)
+    for n, o in enumerate(answers):
+        ids[n, :len(o)], mask[n, :len(o)] = torch.tensor(o), True
+        p = prompts[n // G]
+        with torch.no_grad():
+            h = model.model(torch.tensor([p + o])).last_hidden_state[0, len(p) - 1:-1]
+            hidden[n, :len(o)] = h
+            lse[n, :len(o)] = torch.logsumexp(model.lm_head(h) / cfg.temperature, -1)
+    correct = torch.tensor([table[r["question"]][1] for r in rows], dtype=torch.float)
+    keep = cfg.algo == "scgrpo"
+    return S.Rollout(rows, prompts, ids, mask, tok.batch_decode(
+        [o for o in answers], skip_special_tokens=True), correct, correct.clone(),
+        hidden if keep else None, lse if keep else None)
+
+
+def project_step(algo, monkeypatch, lr, micro_batch=3, epochs=2, seed=0):
+    """One train_step of scgrpo.py on REF_TABLE (its sampler replaced by the fixed rollout),
+    optimised by plain SGD with no gradient clipping.
+    -> (the rollout and the Batch the update received, metrics, gradients of each epoch)"""
+    model, tok = S.make_tiny(0)
+    cfg = S.Config(algo=algo, group_size=REF_G, prompts_per_step=len(REF_TABLE), micro_batch=micro_batch,
+                   max_new_tokens=REF_MAX_NEW, temperature=REF_T, ppo_epochs=epochs,
+                   max_grad_norm=1e9, dapo_max_rounds=1)
+    rows = [{"question": q, "answer": "#### 0"} for q, _, _ in REF_TABLE]
+    monkeypatch.setattr(S, "rollout", lambda model, tok, cfg, rows, gen, eos: fixed_rollout(
+        model, tok, cfg, rows))
+    seen, real_update = [], S.update
+    monkeypatch.setattr(S, "update", lambda *a: (seen.append(a), real_update(*a))[1])
+    opt = RecordingSGD(model.parameters(), lr)
+    metrics, _ = S.train_step(model, opt, tok, cfg, rows, S.Batcher(len(rows), seed),
+                              random.Random(seed), torch.Generator().manual_seed(0), [0])
+    ro, batch = seen[0][3], seen[0][4]
+    return ro, batch, metrics, opt.seen
+
+
+def by_answer(ro, batch):
+    """{(question, i): batch row index} for the answers the update received."""
+    G = ro.correct.shape[1]
+    return {(ro.rows[int(n) // G]["question"], int(n) % G): m for m, n in enumerate(batch.row)}
+
+
+def check_against_reference(algo, monkeypatch, micro_batch=3):
+    """train_step on REF_TABLE against the plain reference: the answers that get a gradient,
+    their advantages and per-token weights, c, the clip count, and every parameter's gradient
+    in both PPO epochs (the second one after an SGD step large enough that the clip acts).
+    Tolerances: weights 1e-4 absolute, advantages 1e-3 relative (Eq. 5 divides by the spread
+    of s, which magnifies D's fp32 rounding), gradients 1e-3 in relative norm (measured: 5e-5)."""
+    lr = 0.03  # measured: 7-16 of 29-44 tokens outside the clip range in the second epoch
+    ro, batch, metrics, got_grads = project_step(algo, monkeypatch, lr, micro_batch)
+    at = by_answer(ro, batch)
+    model, tok = S.make_tiny(0)  # the same weights, a fresh copy
+    questions, answers, correct = ([x[k] for x in REF_TABLE] for k in range(3))
+    G = REF_G
+    if algo == "scgrpo":
+        refs = {}
+        for (q, i), m in at.items():
+            if int(batch.ref[m]) >= 0:
+                refs[questions.index(q), i] = int(batch.ref[m]) % G
+                assert int(batch.ref[m]) // G == int(batch.row[m]) // G  # same question
+        routes, adv, weights, c = reference_credit(model, tok, questions, answers, correct, refs)
+        assert routes == ["partial", "none", "fallback", "skip"]
+        o_r = answers[1][refs[1, min(i for b, i in refs if b == 1)]]
+        assert any(len(o) > len(o_r) for o in answers[1])  # the solve-none cut L_i acts
+        assert metrics["c"] == pytest.approx(c, rel=1e-4)
+        n_groups = len(REF_TABLE)
+    else:
+        adv, keep = grpo_credit(correct)
+        weights = {(b, i): torch.ones(len(answers[b][i])) for b in range(len(answers))
+                   for i in range(G) if keep[b]}
+        n_groups = len(REF_TABLE) if algo == "grpo" else sum(keep.values())
+    assert sorted(at) == sorted((questions[b], i) for b, i in weights)
+    for (b, i), w in weights.items():
+        m = at[questions[b], i]
+        assert float(batch.adv[m]) == pytest.approx(adv[b, i], rel=1e-3, abs=1e-6), (b, i)
+        torch.testing.assert_close(batch.weights[m, :len(w)], w, rtol=0, atol=1e-4)
+        assert (batch.weights[m, len(w):] == 0).all()
+    opt = RecordingSGD(model.parameters(), lr)
+    want_grads, n_clipped = reference_update(model, tok, questions, answers, adv, weights,
+                                             n_groups, algo, opt, epochs=2)
+    n_tokens = sum(len(w) for w in weights.values())
+    assert n_clipped[0] == 0 and 0 < n_clipped[1] < n_tokens  # pi_theta has moved in epoch 2
+    assert metrics["clip_frac"] == pytest.approx(n_clipped[1] / n_tokens)
+    for epoch in range(2):
+        for (p, _), got, want in zip(model.named_parameters(), got_grads[epoch], want_grads[epoch]):
+            err = float((got - want).norm() / want.norm())
+            assert err < 1e-3, (algo, epoch, p, err)
+
+
+@pytest.mark.parametrize("algo", ["scgrpo", "grpo", "dapo"])
+def test_update_equals_the_plain_reference_step(algo, monkeypatch):
+    check_against_reference(algo, monkeypatch)
+
+
+
+needs_trl = pytest.mark.skipif(S.importlib.util.find_spec("trl") is None,
+                               reason="needs TRL: pip install -r requirements-trl.txt")
+
+
+def trl_trainer(model, tok, rows, G, rewards, tmp_path, max_new=3):
+    """An SCGRPOTrainer whose generation returns the answers of a scgrpo Rollout and whose
+    reward function returns `rewards` (N,): a fixed batch for both implementations."""
+    from datasets import Dataset
+    import trl_scgrpo as T
+    config = T.GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=len(rows) * G,
+                          num_generations=G, max_completion_length=max_new, temperature=REF_T, top_p=1.0,
+                          top_k=0, beta=0.0, loss_type="grpo", use_cpu=True, report_to="none", seed=0,
+                          chat_template_kwargs={"enable_thinking": False}, save_strategy="no", bf16=False)
+    return T.SCGRPOTrainer(model=model, processing_class=tok, args=config,
+                           reward_funcs=[lambda completions, **kw: [float(r) for r in rewards]],
+                           train_dataset=Dataset.from_list(T.make_dataset(rows, tok)))
+
+
+@needs_trl
+def test_trl_trainer_equals_the_plain_reference_step(tmp_path, monkeypatch):
+    """SCGRPOTrainer on REF_TABLE: its per-token advantages A_i f(D_it) and the gradient of
+    TRL's loss on them equal the plain reference step's."""
+    import trl_scgrpo as T
+    model, tok = S.make_tiny(0)
+    G = REF_G
+    questions, answers, correct = ([x[k] for x in REF_TABLE] for k in range(3))
+    rows = [{"question": q, "answer": "#### 0"} for q in questions]
+    flat = [o for a in answers for o in a]
+    trainer = trl_trainer(model, tok, rows, G, [c for cs in correct for c in cs], tmp_path, REF_MAX_NEW)
+    prompts = [S.encode_prompt(tok, q) for q in questions]
+    texts = tok.batch_decode(flat, skip_special_tokens=True)
+    monkeypatch.setattr(trainer, "_generate", lambda p: (
+        [prompts[n // G] for n in range(len(flat))], flat, None,
+        [[{"role": "assistant", "content": t}] for t in texts], None, {}, None, []))
+    seen, real = [], S.make_batch
+    monkeypatch.setattr(S, "make_batch", lambda *a: seen.append(real(*a)) or seen[-1])
+    trainer.model.train()
+    out = trainer._generate_and_score_completions([x for x in T.make_dataset(rows, tok) for _ in range(G)])
+    batch = seen[0]
+    refs = {divmod(int(n), G): int(j) % G for n, j in zip(batch.row, batch.ref) if j >= 0}
+    ref_model, _ = S.make_tiny(0)
+    routes, adv, weights, c = reference_credit(ref_model, tok, questions, answers, correct, refs)
+    assert routes == ["partial", "none", "fallback", "skip"]
+    want = torch.zeros(len(flat), REF_MAX_NEW)
+    for (b, i), w in weights.items():
+        want[b * G + i, :len(w)] = adv[b, i] * w
+    torch.testing.assert_close(out["advantages"][:, :REF_MAX_NEW], want, rtol=1e-3, atol=1e-5)
+    assert [trainer._metrics["train"][f"sc/groups_{r}"][-1] for r in ("partial", "none", "fallback")] == [1, 1, 1]
+    # TRL's own loss on these advantages has the reference's gradient (loss_type 'grpo')
+    trainer.current_gradient_accumulation_steps = 1
+    trainer.compute_loss(trainer.model, out).backward()
+    want_grads, _ = reference_update(ref_model, tok, questions, answers, adv, weights, len(REF_TABLE), "grpo",
+                                     torch.optim.SGD(ref_model.parameters(), lr=0.0), epochs=1)
+    for (p, got), want_g in zip(model.named_parameters(), want_grads[0]):
+        err = float((got.grad - want_g).norm() / want_g.norm())
+        assert err < 1e-3, (p, err)
+
 # ----------------------------------------------------------------------------- verifier
 
 
@@ -80,6 +388,8 @@ def test_extract_answer(text, want):
     ("", "#### 18", False),
     ("18", "no number", False),
     ("1e309", "#### 1", False),
+    ("\\boxed{0.1}", "#### 0.10000000000001", True),   # equal within float rounding
+    ("\\boxed{1000}", "#### 1001", False),             # close is not equal
 ])
 def test_verify(completion, gold, ok):
     assert S.verify(completion, gold) is ok
@@ -133,6 +443,27 @@ def test_references_are_verified_and_never_the_answer_itself():
     r = refs.index(None)
     assert refs.count(None) == 1 and all(j == r for j in refs if j is not None)
     assert S.pick_references(correct, "fallback", rng) == [None] * 8
+
+
+def test_dapo_dynamic_sampling_keeps_groups_of_unequal_reward_and_refills(monkeypatch):
+    """DAPO drops each group whose rewards are all equal and samples again to refill the batch,
+    for at most dapo_max_rounds rounds; GRPO keeps what one round gives."""
+    verdicts = iter([[1, 1], [0, 1], [0, 0], [1, 0], [1, 1], [0, 0], [1, 1], [0, 1], [0, 0]])
+
+    def fake_rollout(model, tok, cfg, rows, gen, eos_ids):
+        correct = torch.tensor([next(verdicts) for _ in rows], dtype=torch.float)  # (B, 2)
+        n = 2 * len(rows)
+        return S.Rollout(rows, [[1]] * len(rows), torch.zeros(n, 1, dtype=torch.long),
+                         torch.ones(n, 1, dtype=torch.bool), [""] * n, correct, correct.clone())
+    monkeypatch.setattr(S, "rollout", fake_rollout)
+    rows = [{"question": str(k), "answer": "#### 0"} for k in range(10)]
+    cfg = S.Config(algo="dapo", prompts_per_step=3, group_size=2, dapo_max_rounds=3)
+    kept, sampled, rounds = S.sample_groups(None, None, cfg, rows, S.Batcher(10, 0), None, [0])
+    assert rounds == 3 and len(sampled.rows) == 6  # 3 asked, 1 kept; 2 asked, 1 kept; 1 asked, 0
+    assert kept.correct.tolist() == [[0, 1], [1, 0]] and kept.ids.shape[0] == 4
+    cfg.algo = "grpo"
+    kept, sampled, rounds = S.sample_groups(None, None, cfg, rows, S.Batcher(10, 0), None, [0])
+    assert rounds == 1 and kept.correct.tolist() == [[1, 1], [0, 1], [0, 0]] == sampled.correct.tolist()
 
 
 def test_overlong_penalty_hand_computed():
@@ -201,13 +532,14 @@ def test_diversity_advantage_hand_computed():
 # ----------------------------------------------------------------------------- loss
 
 
-def naive_grpo_loss(logp, old_logp, adv, lengths, n_seq, eps):
-    """The paper's GRPO objective written as plain loops (negated)."""
+def naive_grpo_loss(logp, old_logp, adv, lengths, n_seq, eps, weights=None):
+    """The paper's GRPO objective written as plain loops (negated); with weights, J_SC."""
     total = 0.0
     for i in range(len(adv)):
         for t in range(lengths[i]):
             rho = torch.exp(logp[i, t] - old_logp[i, t])
-            total = total + torch.min(rho * adv[i], rho.clamp(1 - eps, 1 + eps) * adv[i]) / lengths[i]
+            w = 1.0 if weights is None else weights[i, t]
+            total = total + w * torch.min(rho * adv[i], rho.clamp(1 - eps, 1 + eps) * adv[i]) / lengths[i]
     return -total / n_seq
 
 
@@ -225,12 +557,14 @@ def test_sc_loss_with_unit_weights_equals_grpo_and_gradients_match():
     logp, old, adv, lengths, mask = make_batch()
     n_seq = 8
     scale = (1.0 / (n_seq * lengths.float()))[:, None].expand_as(logp)
-    loss, _ = S.policy_loss(logp, old, adv, torch.ones_like(logp), scale, mask, 0.2, 0.2)
-    (g1,) = torch.autograd.grad(loss, logp)
-    ref = naive_grpo_loss(logp, old, adv, lengths.tolist(), n_seq, 0.2)
-    (g2,) = torch.autograd.grad(ref, logp)
-    torch.testing.assert_close(loss, ref)
-    torch.testing.assert_close(g1, g2)
+    weights = torch.rand(logp.shape, generator=torch.Generator().manual_seed(1))
+    for w in (None, weights):  # unit weights: GRPO; f(D)-like weights: J_SC, token by token
+        loss, _ = S.policy_loss(logp, old, adv, torch.ones_like(logp) if w is None else w, scale, mask, 0.2, 0.2)
+        (g1,) = torch.autograd.grad(loss, logp)
+        ref = naive_grpo_loss(logp, old, adv, lengths.tolist(), n_seq, 0.2, w)
+        (g2,) = torch.autograd.grad(ref, logp)
+        torch.testing.assert_close(loss, ref)
+        torch.testing.assert_close(g1, g2)
 
 
 def test_loss_gives_exactly_zero_gradient_to_padding():
@@ -238,12 +572,15 @@ def test_loss_gives_exactly_zero_gradient_to_padding():
     with torch.no_grad():
         old[~mask] = float("nan")  # garbage in padding must not leak
     weights = torch.rand(logp.shape)
-    loss, _ = S.policy_loss(logp, old, adv, weights, torch.ones_like(logp), mask, 0.2, 0.28)
+    loss, _ = S.policy_loss(logp, old, adv, weights, torch.ones_like(logp), mask, 0.2, 0.2)
     (grad,) = torch.autograd.grad(loss, logp)
     assert torch.isfinite(loss) and (grad[~mask] == 0).all() and (grad[mask] != 0).any()
+    # and the real tokens get the weighted loop's gradient (scale 1: n_seq = 1, lengths 1 each)
+    ref = naive_grpo_loss(logp, old, adv, lengths.tolist(), 1, 0.2, weights * lengths[:, None])
+    torch.testing.assert_close(grad, torch.autograd.grad(ref, logp)[0])
 
 
-def test_dapo_token_level_loss_is_independent_of_micro_batch_split():
+def test_dapo_token_level_loss_is_independent_of_micro_batch_split(monkeypatch):
     logp, old, adv, lengths, mask = make_batch(seed=5, B=7)
     total_tokens = int(mask.sum())
     scale = torch.full(logp.shape, 1.0 / total_tokens)
@@ -261,6 +598,8 @@ def test_dapo_token_level_loss_is_independent_of_micro_batch_split():
             parts.append(S.policy_loss(logp[sl], old[sl], adv[sl], w[sl], scale[sl], mask[sl], 0.2, 0.28)[0])
             start += n
         torch.testing.assert_close(sum(parts), naive)
+    for micro_batch in (1, 4, 20):  # update()'s own scale and clip-higher, split any way
+        check_against_reference("dapo", monkeypatch, micro_batch)
 
 # ----------------------------------------------------------------------------- model paths
 
@@ -332,9 +671,10 @@ def test_self_condition_kl_equals_one_teacher_forward_per_answer(tiny):
     ro = S.rollout(model, tok, cfg, S.make_arith()[0][:2], torch.Generator().manual_seed(3), [0])
     ro.correct = torch.tensor([[1.0, 1.0, 0.0, 1.0], [0.0, 0.0, 0.0, 0.0]])
     batch = S.make_batch(ro, ["partial", "none"], S.group_advantages(ro.correct), random.Random(0))
-    S.self_condition(model, tok, cfg, ro, batch)
+    stats = S.self_condition(model, tok, cfg, ro, batch)
     assert len(batch.route) == 7
     head = model.get_output_embeddings()
+    plain = {}
     for m in range(7):
         n, j = int(batch.row[m]), int(batch.ref[m])
         length, ref_length = int(ro.mask[n].sum()), int(ro.mask[j].sum())
@@ -349,6 +689,21 @@ def test_self_condition_kl_equals_one_teacher_forward_per_answer(tiny):
         torch.testing.assert_close(kl[active], want[active], rtol=1e-4, atol=1e-5)
         assert (kl[~active] == 0).all() and (weights[~active] == 0).all()
         assert (batch.kl[m, length:] == 0).all() and (batch.weights[m, length:] == 0).all()
+        plain[m] = want[active]
+    # f(D) = D / (D + c), c = max(P75 of every active D of the batch, c_min), from the plain D
+    c = max(float(torch.quantile(torch.cat(list(plain.values())), 0.75)), 1e-4)
+    assert stats["c"] == pytest.approx(c, rel=1e-4)
+    for m, d in plain.items():
+        torch.testing.assert_close(batch.weights[m, :len(d)], d / (d + c), rtol=0, atol=1e-4)
+    # Eq. (5) in the solve-none group: every answer but o_r saw o_r, and gets alpha * A_div
+    none = [m for m in range(7) if batch.route[m] == "none"]
+    (o_r,) = {int(batch.ref[m]) for m in none}
+    assert o_r // 4 == 1 and o_r not in batch.row.tolist()
+    s = torch.stack([batch.weights[m, :len(plain[m])].sum() / len(plain[m]) for m in none])
+    want_adv = 0.1 * (s - s.mean()) / (s.std(unbiased=False) + 1e-6)
+    torch.testing.assert_close(batch.adv[none], want_adv, rtol=1e-3, atol=1e-6)
+    assert none == [4, 5, 6]  # the partial group keeps Eq. (1): rewards 1, 1, 0, 1
+    torch.testing.assert_close(batch.adv[:4], torch.tensor([1, 1, -3, 1]) / 3 ** 0.5)
 
 
 def test_sampler_mask_stops_at_first_eos_even_when_pad_equals_eos(tiny):
@@ -431,10 +786,30 @@ def test_tiny_grpo_run_learns_and_saves_a_model(tmp_path):
     first, last = sum(x["reward_mean"] for x in train[:50]) / 50, sum(x["reward_mean"] for x in train[-50:]) / 50
     assert last > first + 0.1, (first, last)
     assert [e["step"] for e in evals] == [0, 400]
+    check_step_lines(train, "grpo", 16, 16)
     from transformers import AutoModelForCausalLM, AutoTokenizer
     model = AutoModelForCausalLM.from_pretrained(os.path.join(out, "final"))
     tok = AutoTokenizer.from_pretrained(os.path.join(out, "final"))
     assert model.config.vocab_size == len(tok) and os.path.getsize(os.path.join(out, "samples.jsonl")) > 0
+
+
+def check_step_lines(train, algo, B, G, max_rounds=3):
+    """What every training line of a run must satisfy, whatever the samples: the routes cover
+    the step's B groups; the answers updated are G per routed group, less o_r in each solve-none
+    group (SC-GRPO), or G per group with unequal rewards (GRPO; DAPO keeps only those, and has
+    all B unless it ran out of rounds); c = max(kl_p75, c_min), c being the P75 of D."""
+    for x in train:
+        named = x["groups_partial"] + x["groups_none"] + x["groups_fallback"]
+        if algo == "scgrpo":
+            assert named + x["groups_skipped"] == B, x
+            assert x["answers_updated"] == G * (x["groups_partial"] + x["groups_fallback"]) + (G - 1) * x["groups_none"], x
+        elif algo == "grpo":
+            assert named == 0 and x["answers_updated"] == G * (B - x["groups_skipped"]), x
+        else:
+            assert named == 0 and x["groups_skipped"] == 0 and x["answers_updated"] % G == 0, x
+            assert x["answers_updated"] == G * B or x["sample_rounds"] == max_rounds, x
+        if "c" in x:
+            assert x["c"] == pytest.approx(max(x["kl_p75"], 1e-4), rel=1e-6), x
 
 
 def test_tiny_scgrpo_run_writes_sc_metrics_and_credit_page(tmp_path):
@@ -442,6 +817,9 @@ def test_tiny_scgrpo_run_writes_sc_metrics_and_credit_page(tmp_path):
     train, evals = run_ok(out, "--algo", "scgrpo", "--steps", "300", "--eval-every", "300", "--eval-k", "4")
     routed = [x for x in train if x["groups_partial"] + x["groups_none"] > 0]
     assert len(routed) > len(train) // 2
+    check_step_lines(train, "scgrpo", 16, 16)
+    first, last = sum(x["reward_mean"] for x in train[:50]) / 50, sum(x["reward_mean"] for x in train[-50:]) / 50
+    assert last > first + 0.1, (first, last)  # measured, seed 0: 0.029 -> 0.209
     for x in routed:
         for k in ("kl_p50", "kl_p75", "kl_p95", "c", "weight_mean"):
             assert isinstance(x[k], float) and x[k] == x[k] and abs(x[k]) < float("inf")
@@ -454,6 +832,7 @@ def test_tiny_scgrpo_run_writes_sc_metrics_and_credit_page(tmp_path):
 def test_tiny_dapo_run_completes(tmp_path):
     train, _ = run_ok(str(tmp_path / "run"), "--algo", "dapo", "--steps", "30", "--eval-every", "30", "--eval-k", "0")
     assert len(train) == 30 and all(1 <= x["sample_rounds"] <= 3 for x in train)
+    check_step_lines(train, "dapo", 16, 16)
 
 # ----------------------------------------------------------------------------- bad input, checkpoints, resume
 
@@ -655,7 +1034,8 @@ def test_clip_count_hand_computed():
 
 def test_ppo_epochs_reuse_frozen_old_logprobs():
     """mu = 2: the first epoch's ratios are exactly 1 (old log-probs from the same weights), so
-    its update equals the mu = 1 update; the second epoch moves the weights further."""
+    its update equals the mu = 1 update; the second epoch moves the weights further, its ratios
+    measured against the frozen old log-probs (recomputed ones would be 1 and never clip)."""
     params = {}
     for mu in (1, 2):
         model, tok = S.make_tiny(0)
@@ -672,6 +1052,8 @@ def test_ppo_epochs_reuse_frozen_old_logprobs():
         m, _ = S.train_step(model, opt, tok, cfg, rows, S.Batcher(len(rows), 0), random.Random(0),
                             torch.Generator().manual_seed(0), [0])
         assert m["answers_updated"] > 0 and len(steps) == mu
+        # the second epoch's ratios are pi_theta / frozen pi_old, no longer 1: the clip acts
+        assert (m["clip_frac"] > 0) == (mu == 2), m["clip_frac"]
         params[mu] = [p.detach().clone() for p in model.parameters()]
         if mu == 2:  # weights before the second step == weights after the mu = 1 run
             for a, b in zip(steps[1], params[1]):
@@ -738,6 +1120,7 @@ def test_smollm2_runs_each_algorithm_and_saves_a_model_that_reloads(algo, tmp_pa
     assert len(train) == 2 and [e["step"] for e in evals] == [0, 2]
     for x in train:
         assert all(math.isfinite(v) for v in x.values() if isinstance(v, float)), x
+    check_step_lines(train, algo, 2, 4)
     if algo == "scgrpo":
         assert any(x["groups_partial"] + x["groups_none"] for x in train)
         with open(os.path.join(out, "credit_2.html"), encoding="utf-8") as f:
@@ -783,7 +1166,8 @@ def reader():
 def test_kl_floor_with_the_students_own_prompt_as_teacher(reader, dtype, monkeypatch):
     """The teacher given the student's own prompt must agree with the student: D is rounding
     noise only, P95 below 1e-3 nats, in fp32 (student side from the sampler's states) and in
-    bf16 autocast (student re-scored in the teacher's pass)."""
+    bf16 autocast (student re-scored in the teacher's pass). With a real reference (fp32), D is
+    the forward KL(teacher || student) of full logits, not the reverse."""
     model, tok, task, max_new = reader
     real = S.encode_prompt
     monkeypatch.setattr(S, "encode_prompt", lambda tok, q, reference=None: real(tok, q))
@@ -798,6 +1182,23 @@ def test_kl_floor_with_the_students_own_prompt_as_teacher(reader, dtype, monkeyp
     active = torch.arange(batch.kl.shape[1]) < batch.n_active[:, None]
     assert active.sum() > 50 and stats["kl_nonfinite"] == 0
     assert float(torch.quantile(batch.kl[active], 0.95)) < 1e-3 and stats["kl_p95"] < 1e-3
+    if dtype is not None:
+        return  # bf16's D is 0.07-0.3 nats off a plain fp32 forward here: too loose to tell
+    # D = 0 reads the same both ways; with a real reference, D must be KL(teacher || student)
+    monkeypatch.setattr(S, "encode_prompt", real)
+    batch = S.make_batch(ro, ["partial"] * 4, S.group_advantages(ro.correct), random.Random(0))
+    S.self_condition(model, tok, cfg, ro, batch)
+    for m in range(3):
+        n, j = int(batch.row[m]), int(batch.ref[m])
+        o = ro.ids[n][ro.mask[n]].tolist()
+        with torch.no_grad():
+            lp = [F.log_softmax(model(torch.tensor([p + o])).logits[0, len(p) - 1:-1].float() / 0.8, -1)
+                  for p in (ro.prompts[n // 8], real(tok, ro.rows[n // 8]["question"], ro.texts[j]))]
+        forward = F.kl_div(lp[0], lp[1], log_target=True, reduction="none").sum(-1)   # teacher first
+        reverse = F.kl_div(lp[1], lp[0], log_target=True, reduction="none").sum(-1)
+        got = batch.kl[m, :len(o)]
+        torch.testing.assert_close(got, forward, rtol=1e-3, atol=1e-4)  # measured: 3e-5 off
+        assert (got - reverse).abs().max() > 0.1  # measured: 0.2-0.4 off the reverse KL
 
 
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
@@ -900,64 +1301,7 @@ def test_gpu_check_script_runs_at_toy_sizes_on_the_cpu():
 
 # ----------------------------------------------------------------------------- SC-GRPO on TRL's GRPOTrainer
 
-needs_trl = pytest.mark.skipif(S.importlib.util.find_spec("trl") is None,
-                               reason="needs TRL: pip install -r requirements-trl.txt")
 
-
-def trl_trainer(model, tok, rows, G, rewards, tmp_path, max_new=3):
-    """An SCGRPOTrainer whose generation returns the answers of a scgrpo Rollout and whose
-    reward function returns `rewards` (N,): a fixed batch for both implementations."""
-    from datasets import Dataset
-    import trl_scgrpo as T
-    config = T.GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=len(rows) * G,
-                          num_generations=G, max_completion_length=max_new, temperature=1.0, top_p=1.0,
-                          top_k=0, beta=0.0, loss_type="grpo", use_cpu=True, report_to="none", seed=0,
-                          chat_template_kwargs={"enable_thinking": False}, save_strategy="no", bf16=False)
-    return T.SCGRPOTrainer(model=model, processing_class=tok, args=config,
-                           reward_funcs=[lambda completions, **kw: [float(r) for r in rewards]],
-                           train_dataset=Dataset.from_list(T.make_dataset(rows, tok)))
-
-
-@needs_trl
-def test_trl_trainer_equals_scgrpo_on_a_fixed_batch(tmp_path, monkeypatch):
-    """The same model, prompts, answers and rewards: SCGRPOTrainer's routes, references, f(D),
-    Eq. (5) advantages and loss gradient equal scgrpo.py's."""
-    import trl_scgrpo as T
-    model, tok = S.make_tiny(0)
-    G, rows = 4, S.make_arith()[0][:3]
-    cfg = S.Config(algo="scgrpo", group_size=G, max_new_tokens=3, micro_batch=8)
-    ro = S.rollout(model, tok, cfg, rows, torch.Generator().manual_seed(1), [0])
-    ro.hidden = ro.lse = None  # TRL keeps no sampler states: both re-score the student
-    ro.reward = ro.correct = torch.tensor([[1.0, 1.0, 0, 0], [0, 0, 0, 0], [1.0, 0, 0, 0]])  # partial, none, fallback
-    trainer = trl_trainer(model, tok, rows, G, ro.reward.view(-1).tolist(), tmp_path)
-    answers = [ro.ids[n][ro.mask[n]].tolist() for n in range(3 * G)]
-    monkeypatch.setattr(trainer, "_generate", lambda prompts: (
-        [ro.prompts[n // G] for n in range(3 * G)], answers, None,
-        [[{"role": "assistant", "content": t}] for t in ro.texts], None, {}, None, []))
-    trainer.model.train()
-    out = trainer._generate_and_score_completions([x for x in T.make_dataset(rows, tok) for _ in range(G)])
-    # scgrpo.py on the same batch, references drawn from the same seed
-    batch = S.make_batch(ro, S.route_groups(ro.reward, "scgrpo"), S.group_advantages(ro.reward), random.Random(0))
-    S.self_condition(model, tok, cfg, ro, batch)
-    assert batch.route.count("none") == G - 1 and "partial" in batch.route and "fallback" in batch.route
-    want = torch.zeros(ro.ids.shape)
-    want[batch.row] = batch.adv[:, None] * batch.weights
-    torch.testing.assert_close(out["advantages"][:, :want.shape[1]], want, rtol=1e-5, atol=1e-7)
-    metrics = trainer._metrics["train"]
-    assert [metrics[f"sc/groups_{r}"][-1] for r in ("partial", "none", "fallback")] == [1, 1, 1]
-    # the loss gradient: TRL's loss on these advantages against scgrpo's policy_loss
-    trainer.current_gradient_accumulation_steps = 1
-    trainer.compute_loss(trainer.model, out).backward()
-    got = [p.grad.clone() for p in model.parameters()]
-    model.zero_grad()
-    ids, mask = S.pack(ro, batch.row)
-    h = S.completion_hidden(model, [ro.prompts[int(g)] for g in batch.row // G], ids, mask)
-    logp = torch.zeros(mask.shape).masked_scatter(mask, S.head_logprobs(model.get_output_embeddings(), h, ids[mask], 1.0))
-    scale = mask / (3 * G * mask.sum(1, keepdim=True))
-    loss, _ = S.policy_loss(logp, logp.detach(), batch.adv, batch.weights[:, :mask.shape[1]], scale, mask, 0.2, 0.2)
-    loss.backward()
-    for a, b in zip(got, [p.grad for p in model.parameters()]):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
 @needs_trl
@@ -977,4 +1321,9 @@ def test_trl_trainer_runs_and_logs_sc_metrics(model_name, tmp_path):
     assert all("sc/groups_partial" in x and "sc/groups_none" in x for x in logs)
     routed = [x for x in logs if "sc/kl_p75" in x]
     assert all(math.isfinite(x["sc/kl_p75"]) and x["sc/c"] >= 1e-4 and 0 <= x["sc/weight_mean"] < 1 for x in routed)
+    n_groups = int(args[args.index("--prompts-per-step") + 1])
+    for x in logs:  # one generation batch per logged step: the routes cover its groups
+        assert sum(x[f"sc/groups_{r}"] for r in ("partial", "none", "fallback", "skip")) == n_groups, x
+    for x in routed:  # c = max(P75 of D, c_min)
+        assert x["sc/c"] == pytest.approx(max(x["sc/kl_p75"], 1e-4), rel=1e-5), x
     assert os.path.isfile(str(tmp_path / "o" / "config.json"))

@@ -1,0 +1,181 @@
+"""
+Mutation check: does the test suite fail when the math is wrong?
+
+Each mutant below is one deliberate one-line error, the kind a fork makes when it edits the
+method: a sign, a KL direction, a quantile, a normaliser, a wire to the wrong answer. For each,
+the project is copied to a temporary folder, the line is replaced there (the original files are
+never touched), and the suite runs with -x: the mutant is killed when some test fails, and the
+first failing test is named. A mutant may also name tests that were once too weak to notice
+such an error; those run alone on the mutant as well, and must fail too.
+
+    python tools/mutants.py            # every mutant, two at a time (one thread each)
+    python tools/mutants.py --list     # the mutants, numbered
+    python tools/mutants.py 3 7        # only these
+
+It exits 1 if a mutant survives or no longer applies (a line moved: update its text here).
+"""
+import argparse
+import concurrent.futures
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SUITE = "test_scgrpo.py"
+
+# (what the error is, file, the text as written, the text as mutated, weak tests that must fail)
+MUTANTS = [
+    ("Eq. (1): advantage sign flipped", "scgrpo.py",
+     "(rewards - mean) / std.clamp_min(1e-12)", "(mean - rewards) / std.clamp_min(1e-12)", []),
+    ("Eq. (1): sample std instead of the population std", "scgrpo.py",
+     "std = rewards.std(1, keepdim=True, unbiased=False)",
+     "std = rewards.std(1, keepdim=True, unbiased=True)", []),
+    ("KL direction: KL(student || teacher)", "scgrpo.py",
+     "return head_kl(h_t, h_s, lse_s, model.get_output_embeddings(), temperature)",
+     "return head_kl(h_s, h_t, head_lse(h_t, model.lm_head, temperature), model.lm_head, "
+     "temperature)",
+     ["test_kl_floor_with_the_students_own_prompt_as_teacher[fp32]"]),
+    ("KL formula: the log-normaliser term's sign", "scgrpo.py",
+     "return (dot + (lse_s - lse_t)).clamp_min_(0.0)",
+     "return (dot - (lse_s - lse_t)).clamp_min_(0.0)", []),
+    ("f(D) = c / (D + c) instead of D / (D + c)", "scgrpo.py",
+     "return torch.where(mask, kl / (kl + c), torch.zeros_like(kl)).detach(), c",
+     "return torch.where(mask, c / (kl + c), torch.zeros_like(kl)).detach(), c",
+     ["test_self_condition_kl_equals_one_teacher_forward_per_answer"]),
+    ("c from the median instead of --kl-quantile (P75)", "scgrpo.py",
+     "torch.quantile(active.float(), q)) if", "torch.quantile(active.float(), 0.5)) if",
+     ["test_tiny_scgrpo_run_writes_sc_metrics_and_credit_page",
+      "test_trl_trainer_runs_and_logs_sc_metrics[tiny]",
+      "test_smollm2_runs_each_algorithm_and_saves_a_model_that_reloads[scgrpo]"]),
+    ("the weights never reach the loss", "scgrpo.py",
+     "per_token = torch.where(mask, weights * term * scale, torch.zeros_like(term))",
+     "per_token = torch.where(mask, term * scale, torch.zeros_like(term))",
+     ["test_sc_loss_with_unit_weights_equals_grpo_and_gradients_match",
+      "test_loss_gives_exactly_zero_gradient_to_padding"]),
+    ("Eq. (5): sign of the diversity advantage", "scgrpo.py",
+     "adv[others] = alpha * (s_o - s_o.mean())", "adv[others] = alpha * (s_o.mean() - s_o)", []),
+    ("Eq. (5): o_r wired to the scored answer instead of the reference", "scgrpo.py",
+     "r = int(batch.ref[members[0]]) % G", "r = int(batch.row[members[0]]) % G",
+     ["test_self_condition_kl_equals_one_teacher_forward_per_answer"]),
+    ("routing: n_c = 1 skipped instead of plain GRPO", "scgrpo.py",
+     '{0: "none", 1: "fallback", G: "skip"}', '{0: "none", 1: "skip", G: "skip"}', []),
+    ("routing: n_c = 0 skipped instead of Eq. (5)", "scgrpo.py",
+     '{0: "none", 1: "fallback", G: "skip"}', '{0: "skip", 1: "fallback", G: "skip"}', []),
+    ("reference: an answer may be its own reference", "scgrpo.py",
+     "rng.choice([j for j in good if j != i])", "rng.choice(good)", []),
+    ("solve-none: the L_i = min(|o_i|, |o_r|) cut dropped", "scgrpo.py",
+     "batch.n_active = torch.where(none, L_i, lengths[batch.row])",
+     "batch.n_active = lengths[batch.row]", []),
+    ("GRPO: the 1/|o_i| normaliser dropped", "scgrpo.py",
+     "else (1.0 / (B * G * lengths.double())).float())",
+     "else torch.full((len(lengths),), 1.0 / (B * G)))", []),
+    ("DAPO: per-answer instead of token-level normaliser", "scgrpo.py",
+     "1.0 / max(1, total_tokens)) if", "1.0 / max(1, B * G)) if",
+     ["test_dapo_token_level_loss_is_independent_of_micro_batch_split"]),
+    ("clip: max instead of min", "scgrpo.py",
+     "term = torch.min(ratio * a,", "term = torch.max(ratio * a,", []),
+    ("clip range: the upper bound ignores epsilon_high", "scgrpo.py",
+     "ratio.clamp(1 - eps_low, 1 + eps_high) * a", "ratio.clamp(1 - eps_low, 1 + eps_low) * a", []),
+    ("DAPO: clip-higher off (eps_high = eps)", "scgrpo.py",
+     'eps_high = cfg.epsilon_high or (0.28 if cfg.algo == "dapo" else cfg.epsilon)',
+     "eps_high = cfg.epsilon_high or cfg.epsilon",
+     ["test_dapo_token_level_loss_is_independent_of_micro_batch_split"]),
+    ("PPO epochs: old log-probs recomputed every epoch", "scgrpo.py",
+     "logp, old[k] if old else logp.detach(),", "logp, logp.detach(),",
+     ["test_ppo_epochs_reuse_frozen_old_logprobs"]),
+    ("temperature missing from the update's log-probs", "scgrpo.py",
+     "lp = head_logprobs(head, h, ids[mask], cfg.temperature)",
+     "lp = head_logprobs(head, h, ids[mask], 1.0)", []),
+    ("Eq. (4): the teacher prompt without the reference", "scgrpo.py",
+     "system += reference if tiny else GUIDE + reference", 'system += "" if tiny else GUIDE', []),
+    ("verifier: 1% tolerance instead of float rounding", "scgrpo.py",
+     "rel_tol=1e-9, abs_tol=1e-9", "rel_tol=1e-2, abs_tol=1e-9", []),
+    ("DAPO dynamic sampling keeps groups of equal rewards", "scgrpo.py",
+     'if route != "skip"])', 'if route != "drop"])', ["test_tiny_dapo_run_completes"]),
+    ("TRL: per-token advantages without f(D)", "trl_scgrpo.py",
+     "per_token[batch.row] = batch.adv[:, None].to(per_token.device) * batch.weights",
+     "per_token[batch.row] = batch.adv[:, None].to(per_token.device) * (batch.weights > 0)",
+     ["test_trl_trainer_equals_the_plain_reference_step"]),
+]
+
+
+def apply(folder, file, old, new):
+    """Replace the one occurrence of `old` in folder/file; False if it is not there exactly once."""
+    path = os.path.join(folder, file)
+    with open(path, encoding="utf-8") as f:
+        src = f.read()
+    if src.count(old) != 1:
+        return False
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(src.replace(old, new))
+    return True
+
+
+def pytest(folder, *args, stop_early=True, timeout=900):
+    """Run pytest in folder with one thread -> (passed?, the failing tests' names)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        *(["-x"] if stop_early else []), *args], cwd=folder, env=env,
+                       capture_output=True, text=True, timeout=timeout)
+    failed = re.findall(r"^(?:FAILED|ERROR) [^:]+::(.+?)(?: - .*)?$", r.stdout, re.M)
+    return r.returncode == 0, failed or ([] if r.returncode == 0 else [f"exit {r.returncode}"])
+
+
+def check(k):
+    """Mutant k -> (k, applied, killed by (first failing test or ''), named weak tests that
+    passed, seconds)."""
+    t0 = time.time()
+    what, file, old, new, weak = MUTANTS[k]
+    with tempfile.TemporaryDirectory(prefix=f"mutant{k}-") as tmp:
+        folder = os.path.join(tmp, "repo")
+        shutil.copytree(ROOT, folder, ignore=shutil.ignore_patterns(
+            ".git", ".ci", "runs", "__pycache__", ".pytest_cache", "*.png", "*.html"))
+        if not apply(folder, file, old, new):
+            return k, False, "", [], time.time() - t0
+        passed, failed = pytest(folder, SUITE)
+        survivors = []
+        if weak:  # all named tests in one run, without -x: each must fail on its own
+            _, weak_failed = pytest(folder, *[f"{SUITE}::{t}" for t in weak], stop_early=False)
+            survivors = [t for t in weak if t not in weak_failed]
+        return k, True, "" if passed else failed[0], survivors, time.time() - t0
+
+
+def main():
+    ap = argparse.ArgumentParser(description="Run the test suite against deliberate errors.")
+    ap.add_argument("only", nargs="*", type=int, help="mutant numbers (default: all)")
+    ap.add_argument("--list", action="store_true", help="print the mutants and exit")
+    ap.add_argument("--jobs", type=int, default=2, help="mutants at a time (default 2)")
+    args = ap.parse_args()
+    if args.list:
+        for k, (what, file, *_ , weak) in enumerate(MUTANTS):
+            print(f"{k:2d} {file}: {what}" + (f"  (also: {', '.join(weak)})" if weak else ""))
+        return
+    # the mutants with named tests take longest: start them first
+    todo = sorted(args.only or range(len(MUTANTS)), key=lambda k: -len(MUTANTS[k][4]))
+    t0, bad = time.time(), 0
+    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+        for k, applied, killer, survivors, seconds in pool.map(check, todo):
+            what = MUTANTS[k][0]
+            if not applied:
+                verdict, bad = "DOES NOT APPLY (the line changed: update it)", bad + 1
+            elif not killer:
+                verdict, bad = "SURVIVED", bad + 1
+            else:
+                verdict = f"killed by {killer}"
+            weak = MUTANTS[k][4]
+            if applied and weak:
+                bad += bool(survivors)
+                verdict += (f"; also by {len(weak) - len(survivors)}/{len(weak)} named tests"
+                            + (f", NOT by {', '.join(survivors)}" if survivors else ""))
+            print(f"{k:2d} {what}: {verdict} ({seconds:.0f} s)", flush=True)
+    n = len(todo)
+    print(f"{n - bad}/{n} mutants killed in {time.time() - t0:.0f} s")
+    sys.exit(1 if bad else 0)
+
+
+if __name__ == "__main__":
+    main()
