@@ -31,7 +31,9 @@ import zlib
 
 import torch
 
+import plumbing as P
 import scgrpo as S
+import speed
 
 
 def coin_reward(completion, gold):
@@ -51,19 +53,19 @@ def run_ours(args, impl):
     cfg = S.Config(model=args.model, task="gsm8k", data=args.data, algo=algo, prompts_per_step=args.prompts,
                    group_size=args.group, max_new_tokens=args.max_new, micro_batch=args.micro_batch,
                    grad_checkpoint=args.grad_checkpoint, lr=1e-6, seed=0, device=args.device)
-    device = S.pick_device(cfg.device)
-    train_rows, _ = S.load_task(cfg)
-    model, tok = S.load_model(cfg.model, cfg.seed)
+    device = P.pick_device(cfg.device)
+    train_rows, _ = P.load_task(cfg)
+    model, tok = P.load_model(cfg.model, cfg.seed)
     model.to(device).eval()
     model.autocast_dtype = torch.bfloat16 if dtype == "bf16" else None
     if cfg.grad_checkpoint:
         model.activation_checkpointing_enable({"use_reentrant": False})
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    batcher, rng, gen = S.Batcher(len(train_rows), 0), random.Random(0), torch.Generator(device).manual_seed(0)
+    batcher, rng, gen = P.Batcher(len(train_rows), 0), random.Random(0), torch.Generator(device).manual_seed(0)
     rows = []
     for step in range(args.steps + 1):
         t0 = time.time()
-        m, _ = S.train_step(model, opt, tok, cfg, train_rows, batcher, rng, gen, S.stop_ids(model, tok))
+        m, _ = S.train_step(model, opt, tok, cfg, train_rows, batcher, rng, gen, P.stop_ids(model, tok))
         if device.type == "cuda":
             torch.cuda.synchronize()
         if step > 0:  # step 0 is the warm-up
@@ -79,7 +81,7 @@ def run_trl(args, sc=False):
     from datasets import Dataset
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
-    train_rows, _ = S.load_task(S.Config(task="gsm8k", data=args.data))
+    train_rows, _ = P.load_task(S.Config(task="gsm8k", data=args.data))
     prompts = [[{"role": "system", "content": S.SYSTEM_PROMPT}, {"role": "user", "content": r["question"]}]
                for r in train_rows[:args.prompts * (args.steps + 2)]]
     rewards_seen = []
@@ -96,7 +98,7 @@ def run_trl(args, sc=False):
         def on_step_end(self, *a, **k):
             stamps.append(time.time())
 
-    device = S.pick_device(args.device)
+    device = P.pick_device(args.device)
     config = GRPOConfig(
         output_dir=tempfile.mkdtemp(), per_device_train_batch_size=args.micro_batch, num_generations=args.group,
         gradient_accumulation_steps=args.prompts * args.group // args.micro_batch,
@@ -139,15 +141,15 @@ def gpu_check(args):
     answers run to the 512-token cap) with peak memory per phase and sampling tokens/s."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from transformers import Qwen2Config, Qwen2ForCausalLM
-    device = S.pick_device(args.device)
+    device = P.pick_device(args.device)
     small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
     real = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14)
     config = Qwen2Config(vocab_size=4096 if args.small else 151936, num_key_value_heads=2, max_position_embeddings=4096,
                          tie_word_embeddings=True, bos_token_id=0, eos_token_id=0, pad_token_id=0,
                          **(small if args.small else real))
     torch.manual_seed(0)
-    model, tok = Qwen2ForCausalLM(config).to(device).eval(), S.make_tiny(0)[1]
-    rows, report = S.make_arith()[0], []  # (check, measured, pass)
+    model, tok = Qwen2ForCausalLM(config).to(device).eval(), P.make_tiny(0)[1]
+    rows, report = P.make_arith()[0], []  # (check, measured, pass)
     kernels = [("eager", None), ("sdpa math", SDPBackend.MATH), ("sdpa flash", SDPBackend.FLASH_ATTENTION)]
     if device.type == "cuda":
         kernels += [("sdpa efficient", SDPBackend.EFFICIENT_ATTENTION), ("sdpa cudnn", SDPBackend.CUDNN_ATTENTION)]
@@ -156,12 +158,12 @@ def gpu_check(args):
         for dtype in (torch.bfloat16, None):
             model.autocast_dtype, label = dtype, f"{name}, {'bf16' if dtype else 'fp32'}"
             try:
-                with sdpa_kernel(backend) if backend is not None else S.nullcontext():
+                with sdpa_kernel(backend) if backend is not None else P.nullcontext():
                     prompts = [tok(r["question"] * k)["input_ids"] for k, r in zip((1, 6, 2), rows)]
-                    comp, mask, h, lse = S.sample(model, prompts, 2, 8, 1.0, [0], 0,
+                    comp, mask, h, lse = speed.sample(model, prompts, 2, 8, 1.0, [0], 0,
                                                   torch.Generator(device).manual_seed(0), keep_states=True)
                     with torch.no_grad():
-                        h_full = S.completion_hidden(model, [p for p in prompts for _ in (0, 1)], comp, mask)
+                        h_full = speed.completion_hidden(model, [p for p in prompts for _ in (0, 1)], comp, mask)
                     finite = bool(torch.isfinite(h).all() and torch.isfinite(lse[mask]).all()
                                   and torch.isfinite(h_full).all())
                     report.append((f"padding, {label}: states finite", str(finite), finite))
@@ -175,26 +177,26 @@ def gpu_check(args):
                 report.append((f"{label}", "kernel refused: " + str(e).splitlines()[0][:60], None))
     model.set_attn_implementation("sdpa")
     model.autocast_dtype = torch.bfloat16 if device.type == "cuda" else None
-    cfg = S.Config(**{**S.PRESETS["hub"], "max_new_tokens": 16 if args.small else 512, "lr": 1e-6})
+    cfg = S.Config(**{**P.PRESETS["hub"], "max_new_tokens": 16 if args.small else 512, "lr": 1e-6})
     if cfg.grad_checkpoint:
         model.activation_checkpointing_enable({"use_reentrant": False})
     S.verify = coin_reward
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    m, _ = S.train_step(model, opt, tok, cfg, rows, S.Batcher(len(rows), 0), random.Random(0),
+    m, _ = S.train_step(model, opt, tok, cfg, rows, P.Batcher(len(rows), 0), random.Random(0),
                         torch.Generator(device).manual_seed(0), [0])
     tokens = m["len_mean"] * cfg.prompts_per_step * cfg.group_size
     report.append(("one hub-preset step: finite loss", f"{m['loss']:.3g} in {m['t_sample'] + m['t_teacher'] + m['t_update']:.1f} s",
                    math.isfinite(m["loss"])))
     report.append(("sampling tokens/s", f"{tokens / m['t_sample']:.0f} ({tokens:.0f} tokens)", None))
-    S.peak_memory_gb(device)
-    S.evaluate(model, tok, rows[:cfg.eval_batch], cfg, [0], 8)
-    mem_eval = S.peak_memory_gb(device)
+    P.peak_memory_gb(device)
+    S.evaluate(model, tok, rows[:cfg.eval_batch], S.Config(**{**vars(cfg), "eval_k": 8}), [0])
+    mem_eval = P.peak_memory_gb(device)
     if device.type == "cuda":
         phases = {k: m[k] for k in ("mem_sample_gb", "mem_teacher_gb", "mem_update_gb")}
         report += [(f"peak {k[4:-3]} GiB", f"{v:.2f}", None) for k, v in phases.items()]
         report.append(("evaluation peak <= a training step's peak", f"{mem_eval:.2f} GiB",
                        mem_eval <= max(phases.values()) * 1.05))
-    print(f"\ngpu-check on {device} ({S.cuda_status()}), torch {torch.__version__}, "
+    print(f"\ngpu-check on {device} ({P.cuda_status()}), torch {torch.__version__}, "
           f"{'toy' if args.small else 'Qwen2.5-0.5B'} shape\n")
     print("| check | measured | result |\n|---|---|---|")
     for check, measured, ok in report:
@@ -208,17 +210,17 @@ def rescore_cost(args):
     """Under bf16 autocast the teacher pass re-scores the student instead of reading the
     sampler's states (scgrpo.py, note 2). The teacher phase both ways on one batch: 4 questions
     x 8 answers, 3 of them taken as correct (partial-solve groups), the median of 3 timings."""
-    model, tok = S.load_model(args.model, 0)
+    model, tok = P.load_model(args.model, 0)
     model.eval().autocast_dtype = torch.bfloat16
     cfg = S.Config(algo="scgrpo", group_size=args.group, max_new_tokens=args.max_new,
                    temperature=0.8, micro_batch=args.micro_batch)
-    rows = S.load_task(S.Config(task="gsm8k", data=args.data))[0][:args.prompts]
+    rows = P.load_task(S.Config(task="gsm8k", data=args.data))[0][:args.prompts]
     prompts = [S.encode_prompt(tok, r["question"]) for r in rows]
-    ids, mask, h, lse = S.sample(model, prompts, cfg.group_size, cfg.max_new_tokens, 0.8,
-                                 S.stop_ids(model, tok), tok.pad_token_id or 0,
+    ids, mask, h, lse = speed.sample(model, prompts, cfg.group_size, cfg.max_new_tokens, 0.8,
+                                 P.stop_ids(model, tok), tok.pad_token_id or 0,
                                  torch.Generator().manual_seed(0), keep_states=True)
     reward = torch.tensor([[1.0] * 3 + [0.0] * (cfg.group_size - 3)] * len(rows))
-    texts, ways = S.decode(tok, ids, mask), {"sampler states": (h, lse), "re-scored": (None, None)}
+    texts, ways = P.decode(tok, ids, mask), {"sampler states": (h, lse), "re-scored": (None, None)}
     rollouts = {k: S.Rollout(rows, prompts, ids, mask, texts, reward, reward, *v) for k, v in ways.items()}
     times = {k: [] for k in ways}
     for _ in range(3):

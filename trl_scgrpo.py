@@ -33,6 +33,7 @@ import torch
 from accelerate.utils import gather_object
 from trl import GRPOConfig, GRPOTrainer
 
+import plumbing as P
 import scgrpo as S
 
 
@@ -51,7 +52,7 @@ def text_of(completion):
 def make_dataset(rows, tok):
     """TRL rows from scgrpo task rows: the student prompt of scgrpo.encode_prompt as a chat
     (the system prompt and the question), and the gold answer for the reward."""
-    tiny = tok.chat_template == S.TINY_TEMPLATE
+    tiny = tok.chat_template == P.TINY_TEMPLATE
     system = [] if tiny else [{"role": "system", "content": S.SYSTEM_PROMPT}]
     return [{"prompt": system + [{"role": "user", "content": r["question"]}], "answer": r["answer"]}
             for r in rows]
@@ -148,12 +149,12 @@ def main(argv=None):
     from datasets import Dataset
     answers, processes = args.prompts_per_step * args.group_size, PartialState().num_processes
     if answers % processes:
-        S.die(f"--prompts-per-step x --group-size ({answers}) must split evenly over {processes} "
+        P.die(f"--prompts-per-step x --group-size ({answers}) must split evenly over {processes} "
               "processes")
-    preset = S.PRESETS.get(args.model, S.PRESETS["hub"])
+    preset = P.PRESETS.get(args.model, P.PRESETS["hub"])
     cfg = S.Config(model=args.model, task=args.task, data=args.data)
-    S.check_config(cfg)
-    model, tok = S.load_model(cfg.model, args.seed)
+    P.check_config(cfg)
+    model, tok = P.load_model(cfg.model, args.seed)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     config = GRPOConfig(
@@ -164,7 +165,7 @@ def main(argv=None):
         learning_rate=args.lr or preset["lr"], loss_type="grpo", max_grad_norm=1.0, bf16=args.bf16,
         use_vllm=args.use_vllm, save_strategy="no", logging_steps=1,
         chat_template_kwargs={"enable_thinking": False})
-    rows = make_dataset(S.load_task(cfg)[0], tok)
+    rows = make_dataset(P.load_task(cfg)[0], tok)
     trainer = SCGRPOTrainer(model=model, processing_class=tok, reward_funcs=[correctness],
                             args=config, train_dataset=Dataset.from_list(rows))
     trainer.train()
