@@ -394,6 +394,16 @@ def load_model(name, seed):
     return model, tok
 
 
+@torch.no_grad()
+def logits_are_head_of_hidden(model):
+    """True when model(x).logits equal the LM head applied to the final hidden state, as the
+    fast paths (speed.py) assume; soft-capped or scaled logits (Gemma-2, Granite, Cohere) fail."""
+    ids = torch.arange(1, 9, device=next(model.parameters()).device)[None] % model.config.vocab_size
+    logits = model(input_ids=ids).logits.float()
+    z = model.get_output_embeddings()(model.base_model(input_ids=ids).last_hidden_state).float()
+    return logits.shape == z.shape and torch.allclose(logits, z, rtol=1e-4, atol=1e-4)
+
+
 def stop_ids(model, tok):
     """Every id that ends an answer: the tokenizer's EOS and the generation config's."""
     ids = {tok.eos_token_id}
@@ -444,6 +454,9 @@ class Run:
             die(f"{n_params / 1e6:.0f}M parameters would train on the CPU ({cuda_status()}), which "
                 "takes days at this preset; fix CUDA, or pass --device cpu to run it anyway")
         self.model.to(device).eval()  # no dropout: eval and train mode compute the same function
+        if cfg.fast and not logits_are_head_of_hidden(self.model):
+            die(f"model {cfg.model!r} computes its logits from more than its LM head (soft-capping "
+                "or a logit scale), which the fast paths leave out; run it with --fast false")
         bf16 = cfg.dtype == "bf16" or (cfg.dtype == "auto" and device.type == "cuda")
         self.model.autocast_dtype = torch.bfloat16 if bf16 else None  # read by autocast()
         if cfg.grad_checkpoint:

@@ -17,7 +17,7 @@ lines here (KV-cache sampler, shared prefills, blocked LM head): --fast, default
 
 Where this file simplifies or interprets the paper (docs/notes.md says why, at length):
  1. c = max(P75(D), c_min) is taken over the active tokens of the whole step, not per micro-batch.
- 2. D is measured once per step, before the update, with the weights that sampled.
+ 2. D is measured once per step with the weights that sampled (fp32: student side from the sampler).
  3. Solve-none groups: the reference o_r itself gets advantage 0 and no gradient.
  4. Solve-none groups: tokens past L_i = min(|o_i|, |o_r|) get weight 0 (s_i never saw them).
  5. Solve-none groups: Eq. (5)'s mean and std run over the G-1 answers other than o_r.
@@ -206,10 +206,9 @@ def rollout(model, tok, cfg, rows, gen, eos_ids):
     """Sample G answers to each row's question and grade them. -> Rollout"""
     G = cfg.group_size
     prompts = [encode_prompt(tok, r["question"]) for r in rows]
-    # fp32: the sampler's states give the teacher's KL its student side for free (note 2)
+    # speed.sample: a KV cache, inverse-CDF draws and, in fp32, the student's states (note 2)
     keep = cfg.algo == "scgrpo" and getattr(model, "autocast_dtype", None) is None
     args = (model, prompts, G, cfg.max_new_tokens, cfg.temperature, eos_ids, tok.pad_token_id, gen)
-    # speed.sample: a KV cache, inverse-CDF draws, and (keep) the student's states
     ids, mask, hidden, lse = speed.sample(*args, keep_states=keep) if cfg.fast else (
         *sample(*args), None, None)
     texts = decode(tok, ids, mask)
@@ -255,23 +254,24 @@ def route_groups(rewards, algo):
     return routes
 
 
-def pick_references(correct, route, rng):
+def pick_references(correct, route, rng, usable=None):
     """Reference tau for each answer of one group: list of G indices or None.
     partial: uniform over the group's verified answers, never the answer itself.
-    none: one answer o_r drawn uniformly serves every other answer; o_r itself gets None."""
-    G = len(correct)
+    none: one answer o_r drawn uniformly serves every other answer; o_r itself gets None.
+    usable (G bools, default all): answers that may be a reference at all (TRL: not truncated)."""
+    G, usable = len(correct), usable or [True] * len(correct)
     if route == "partial":
-        good = [j for j in range(G) if correct[j]]
+        good = [j for j in range(G) if correct[j] and usable[j]]
         return [rng.choice([j for j in good if j != i]) for i in range(G)]
     if route == "none":
-        r = rng.randrange(G)
+        r = rng.choice([i for i in range(G) if usable[i]])
         return [None if i == r else r for i in range(G)]
     return [None] * G
 
 
 def overlong_penalty(lengths, max_len, buffer):
     """DAPO's soft overlong shaping: 0 up to max_len - buffer, then linearly down to -1 at
-    max_len. lengths (N,) -> (N,)."""
+    max_len. lengths (any shape) -> penalties (same shape)."""
     return ((max_len - buffer - lengths.float()) / buffer).clamp(-1.0, 0.0)
 
 
@@ -286,7 +286,7 @@ class Batch:
     adv: torch.Tensor       # (M,) A_i of Eq. (1), or alpha * A_div_i of Eq. (5) if solve-none
     n_active: torch.Tensor  # (M,) tokens the teacher scores: all, or L_i if solve-none (note 4)
     kl: torch.Tensor        # (M, L) D_it; 0 where not scored
-    weights: torch.Tensor   # (M, L) f(D_it); 1 on every token for GRPO, DAPO and 'fallback'
+    weights: torch.Tensor   # (M, L) f(D_it); 1 on each answer token for GRPO, DAPO, 'fallback'
 
     def __getitem__(self, k):
         k = torch.arange(len(self.route))[k]
@@ -294,15 +294,16 @@ class Batch:
                      self.n_active[k], self.kl[k], self.weights[k])
 
 
-def make_batch(ro, routes, adv, rng):
+def make_batch(ro, routes, adv, rng, usable=None):
     """One row per answer that gets a gradient: its advantage, unit weights and, on SC-GRPO's
-    routes, its reference answer. ro: Rollout; routes: B str; adv (B, G). -> Batch"""
+    routes, its reference. ro: Rollout; routes: B str; adv, usable (B, G) as above. -> Batch"""
     G = ro.correct.shape[1]
     row, ref, route = [], [], []
     for b, r in enumerate(routes):
         if r == "skip":
             continue
-        for i, j in enumerate(pick_references(ro.correct[b].bool().tolist(), r, rng)):
+        ok = None if usable is None else usable[b].tolist()
+        for i, j in enumerate(pick_references(ro.correct[b].bool().tolist(), r, rng, ok)):
             if r == "none" and j is None:
                 continue  # o_r, the solve-none reference itself: advantage 0, no gradient (note 3)
             row.append(b * G + i)
@@ -353,7 +354,7 @@ def teacher_kl(model, cfg, ro, rows, teacher_prompts, prompt_of, ids, mask):
         teacher = forward_answers(model, [teacher_prompts[k] for k in prompt_of.tolist()], ids,
                                   mask)
         log_s, log_t = F.log_softmax(student / T, -1), F.log_softmax(teacher / T, -1)  # (b, L, V)
-        # D_t = KL(teacher || student) = sum_v p_t(v) (log p_t(v) - log p_s(v)), teacher first
+        # D_t = KL(teacher || student) = sum_v p_t(v) (log p_t(v) - log p_s(v)); kl_div(in, target)
         return F.kl_div(log_s, log_t, log_target=True, reduction="none").sum(-1)[mask]
     # speed.py: the same D with one prefill per distinct prompt and no (n, V) matrix
     if ro.hidden is not None:  # fp32: the student's side from the sampler's states (n, H), (n,)
@@ -396,10 +397,10 @@ def diversity_advantages(weights, lengths, r, alpha=0.1, eps=1e-6):
 
 
 @torch.no_grad()
-def self_condition(model, tok, cfg, ro, batch):
+def self_condition(model, tok, cfg, ro, batch, encode=encode_prompt):
     """SC-GRPO's addition, for the answers with a reference: the per-token KL D against the
-    teacher (one teacher forward pass), the weights f(D), and in solve-none groups the
-    diversity advantage of Eq. (5). Fills batch.n_active, kl, weights and adv; -> metrics."""
+    teacher (a forward per micro-batch; encode builds its prompt, Eq. 4), f(D), and Eq. (5)
+    in solve-none groups. Fills batch.n_active, kl, weights and adv; -> metrics."""
     G, device = cfg.group_size, ro.mask.device
     lengths = ro.lengths.view(-1)                                                  # (N,)
     # Active tokens: all of a partial-solve answer, the first L_i = min(|o_i|, |o_r|) in a
@@ -414,7 +415,7 @@ def self_condition(model, tok, cfg, ro, batch):
         ids, mask = pack(ro, batch.row[mb], batch.n_active[mb])                    # (b, L)
         refs, prompt_of = distinct(batch.ref[mb].tolist(), device)
         # Eq. (4): the teacher prompt holds the reference answer tau = o_j
-        prompts = [encode_prompt(tok, ro.rows[j // G]["question"], reference=ro.texts[j])
+        prompts = [encode(tok, ro.rows[j // G]["question"], reference=ro.texts[j])
                    for j in refs]
         d = teacher_kl(model, cfg, ro, batch.row[mb], prompts, prompt_of, ids, mask)  # (n,)
         L = mask.shape[1]
@@ -448,13 +449,13 @@ def self_condition(model, tok, cfg, ro, batch):
 
 def policy_loss(logp, old_logp, adv, weights, scale, mask, eps_low, eps_high):
     """-J_SC and the number of tokens whose ratio is outside the clip range. logp, old_logp,
-    weights, scale, mask (B, L); adv (B,). With weights = 1 this is GRPO (scale = 1/(G |o_i|)
+    weights, scale, mask (b, L); adv (b,). With weights = 1: GRPO (scale = 1/(B G |o_i|)
     per group) or DAPO (scale = 1/total tokens)."""
     # Zero the padding first: a NaN there would otherwise leak into the gradient through where().
     logp, old_logp = logp.masked_fill(~mask, 0.0), old_logp.masked_fill(~mask, 0.0)
-    ratio = torch.exp(logp - old_logp)                                             # rho (B, L)
-    a = adv[:, None]                                                               # (B, 1)
-    term = torch.min(ratio * a, ratio.clamp(1 - eps_low, 1 + eps_high) * a)       # (B, L)
+    ratio = torch.exp(logp - old_logp)                                             # rho (b, L)
+    a = adv[:, None]                                                               # (b, 1)
+    term = torch.min(ratio * a, ratio.clamp(1 - eps_low, 1 + eps_high) * a)       # (b, L)
     # J_SC = sum_i sum_t scale_it * f(D_it) * min(rho A, clip(rho) A); weights = 1: GRPO, DAPO
     per_token = torch.where(mask, weights * term * scale, torch.zeros_like(term))
     clipped = ((ratio < 1 - eps_low) | (ratio > 1 + eps_high)) & mask
@@ -530,7 +531,7 @@ def update(model, opt, cfg, ro, batch):
             mb = batch[s]
             logp, mask = logprobs(mb)                                              # (b, L)
             L = mask.shape[1]
-            loss, n_clipped = policy_loss(
+            loss, n_clipped = policy_loss(  # mu = 1: old = logp.detach(), so rho = 1 (no clip)
                 logp, old[k] if old else logp.detach(), mb.adv.to(device), mb.weights[:, :L],
                 mask * scale[s, None].to(device), mask, cfg.epsilon, eps_high)
             loss.backward()
@@ -582,9 +583,8 @@ def train(cfg, resume=""):
     run = Run(cfg, resume)
     if run.start == 1:
         run.log_eval(0, *evaluate(run.model, run.tok, run.eval_rows, cfg, run.eos_ids))
-    credit = []
-    bar = tqdm(range(run.start, cfg.steps + 1), desc="train", initial=run.start - 1,
-               total=cfg.steps, disable=None)
+    credit, bar = [], tqdm(range(run.start, cfg.steps + 1), desc="train", initial=run.start - 1,
+                           total=cfg.steps, disable=None)
     for step in bar:
         t0 = time.time()
         m, new_credit = train_step(run.model, run.opt, run.tok, cfg, run.train_rows, run.batcher,

@@ -314,58 +314,76 @@ needs_trl = pytest.mark.skipif(P.importlib.util.find_spec("trl") is None,
                                reason="needs TRL: pip install -r requirements-trl.txt")
 
 
-def trl_trainer(model, tok, rows, G, rewards, tmp_path, max_new=3):
-    """An SCGRPOTrainer whose generation returns the answers of a scgrpo Rollout and whose
-    reward function returns `rewards` (N,): a fixed batch for both implementations."""
+def trl_fixed_step(model, tok, out_dir, rewards=None, process=(0, 1), **config):
+    """One generation step of SCGRPOTrainer on REF_TABLE, its sampler replaced by the table's
+    answers: rewards (N,) per answer (None: no reward function could score it; default: the
+    table's verdicts); on process k of n, that process's share of the rows. config: GRPOConfig
+    overrides. -> (TRL's batch dict, the Batch make_batch drew, the trainer)"""
     from datasets import Dataset
     import trl_scgrpo as T
-    config = T.GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=len(rows) * G,
-                          num_generations=G, max_completion_length=max_new, temperature=REF_T, top_p=1.0,
-                          top_k=0, beta=0.0, loss_type="grpo", use_cpu=True, report_to="none", seed=0,
-                          chat_template_kwargs={"enable_thinking": False}, save_strategy="no", bf16=False)
-    return T.SCGRPOTrainer(model=model, processing_class=tok, args=config,
-                           reward_funcs=[lambda completions, **kw: [float(r) for r in rewards]],
-                           train_dataset=Dataset.from_list(T.make_dataset(rows, tok)))
+    G, questions = REF_G, [q for q, _, _ in REF_TABLE]
+    flat = [o for _, a, _ in REF_TABLE for o in a]
+    rewards = rewards or [float(c) for _, _, cs in REF_TABLE for c in cs]
+    k, n = process
+    local = slice(k * len(flat) // n, (k + 1) * len(flat) // n)
+    args = dict(output_dir=str(out_dir), per_device_train_batch_size=len(flat) // n, num_generations=G,
+                max_completion_length=REF_MAX_NEW, temperature=REF_T, top_p=1.0, top_k=0, beta=0.0,
+                loss_type="grpo", use_cpu=True, report_to="none", seed=0, save_strategy="no", bf16=False,
+                chat_template_kwargs={"enable_thinking": False})
+    rows = T.make_dataset([{"question": q, "answer": "#### 0"} for q in questions], tok)
+    data = [dict(rows[i // G], reward=r) for i, r in enumerate(rewards)]
+    trainer = T.SCGRPOTrainer(model=model, processing_class=tok, args=T.GRPOConfig(**{**args, **config}),
+                              reward_funcs=[lambda completions, reward, **kw: list(reward)],
+                              train_dataset=Dataset.from_list(data))
+    prompts = [S.encode_prompt(tok, q) for q in questions]
+    texts = tok.batch_decode(flat, skip_special_tokens=True)
+    trainer._generate = lambda p: ([prompts[i // G] for i in range(len(flat))][local], flat[local], None,
+                                   [[{"role": "assistant", "content": t}] for t in texts][local], None, {},
+                                   None, [])
+    seen, real = [], S.make_batch
+    S.make_batch = lambda *a: seen.append(real(*a)) or seen[-1]
+    try:
+        trainer.model.train()
+        out = trainer._generate_and_score_completions(data[local])
+    finally:
+        S.make_batch = real
+    return out, seen[0], trainer
+
+
+def trl_reference(model, tok, batch):
+    """The plain reference's per-token advantages A_i f(D_it) (N, REF_MAX_NEW) for the
+    references that `batch` drew, and the reference's (adv, weights)."""
+    questions, answers, correct = ([x[k] for x in REF_TABLE] for k in range(3))
+    refs = {divmod(int(n), REF_G): int(j) % REF_G for n, j in zip(batch.row, batch.ref) if j >= 0}
+    routes, adv, weights, c = reference_credit(model, tok, questions, answers, correct, refs)
+    assert routes == ["partial", "none", "fallback", "skip"]
+    want = torch.zeros(len(REF_TABLE) * REF_G, REF_MAX_NEW)
+    for (b, i), w in weights.items():
+        want[b * REF_G + i, :len(w)] = adv[b, i] * w
+    return want, adv, weights
 
 
 @needs_trl
-def test_trl_trainer_equals_the_plain_reference_step(tmp_path, monkeypatch):
+def test_trl_trainer_equals_the_plain_reference_step(tmp_path):
     """SCGRPOTrainer on REF_TABLE: its per-token advantages A_i f(D_it) and the gradient of
     TRL's loss on them equal the plain reference step's."""
-    import trl_scgrpo as T
     model, tok = P.make_tiny(0)
-    G = REF_G
-    questions, answers, correct = ([x[k] for x in REF_TABLE] for k in range(3))
-    rows = [{"question": q, "answer": "#### 0"} for q in questions]
-    flat = [o for a in answers for o in a]
-    trainer = trl_trainer(model, tok, rows, G, [c for cs in correct for c in cs], tmp_path, REF_MAX_NEW)
-    prompts = [S.encode_prompt(tok, q) for q in questions]
-    texts = tok.batch_decode(flat, skip_special_tokens=True)
-    monkeypatch.setattr(trainer, "_generate", lambda p: (
-        [prompts[n // G] for n in range(len(flat))], flat, None,
-        [[{"role": "assistant", "content": t}] for t in texts], None, {}, None, []))
-    seen, real = [], S.make_batch
-    monkeypatch.setattr(S, "make_batch", lambda *a: seen.append(real(*a)) or seen[-1])
-    trainer.model.train()
-    out = trainer._generate_and_score_completions([x for x in T.make_dataset(rows, tok) for _ in range(G)])
-    batch = seen[0]
-    refs = {divmod(int(n), G): int(j) % G for n, j in zip(batch.row, batch.ref) if j >= 0}
+    out, batch, trainer = trl_fixed_step(model, tok, tmp_path)
+    assert trainer.sc_cfg.fast  # the tiny model's logits are its head of the hidden state
     ref_model, _ = P.make_tiny(0)
-    routes, adv, weights, c = reference_credit(ref_model, tok, questions, answers, correct, refs)
-    assert routes == ["partial", "none", "fallback", "skip"]
-    want = torch.zeros(len(flat), REF_MAX_NEW)
-    for (b, i), w in weights.items():
-        want[b * G + i, :len(w)] = adv[b, i] * w
+    want, adv, weights = trl_reference(ref_model, tok, batch)
     torch.testing.assert_close(out["advantages"][:, :REF_MAX_NEW], want, rtol=1e-3, atol=1e-5)
     assert [trainer._metrics["train"][f"sc/groups_{r}"][-1] for r in ("partial", "none", "fallback")] == [1, 1, 1]
     # TRL's own loss on these advantages has the reference's gradient (loss_type 'grpo')
     trainer.current_gradient_accumulation_steps = 1
     trainer.compute_loss(trainer.model, out).backward()
+    questions, answers = [x[0] for x in REF_TABLE], [x[1] for x in REF_TABLE]
     want_grads, _ = reference_update(ref_model, tok, questions, answers, adv, weights, len(REF_TABLE), "grpo",
                                      torch.optim.SGD(ref_model.parameters(), lr=0.0), epochs=1)
     for (p, got), want_g in zip(model.named_parameters(), want_grads[0]):
         err = float((got.grad - want_g).norm() / want_g.norm())
         assert err < 1e-3, (p, err)
+
 
 # ----------------------------------------------------------------------------- verifier
 
@@ -1210,7 +1228,7 @@ def test_kl_floor_with_the_students_own_prompt_as_teacher(reader, dtype, monkeyp
     assert (ro.hidden is None) == (dtype is not None)  # bf16 keeps no sampler states
     ro.correct = torch.tensor([[1.0, 1.0, 1.0, 0, 0, 0, 0, 0]] * 4)
     batch = S.make_batch(ro, ["partial"] * 4, S.group_advantages(ro.correct), random.Random(0))
-    stats = S.self_condition(model, tok, cfg, ro, batch)
+    stats = S.self_condition(model, tok, cfg, ro, batch, encode=S.encode_prompt)
     active = torch.arange(batch.kl.shape[1]) < batch.n_active[:, None]
     assert active.sum() > 50 and stats["kl_nonfinite"] == 0
     assert float(torch.quantile(batch.kl[active], 0.95)) < 1e-3 and stats["kl_p95"] < 1e-3
@@ -1359,3 +1377,177 @@ def test_trl_trainer_runs_and_logs_sc_metrics(model_name, tmp_path):
     for x in routed:  # c = max(P75 of D, c_min)
         assert x["sc/c"] == pytest.approx(max(x["sc/kl_p75"], 1e-4), rel=1e-5), x
     assert os.path.isfile(str(tmp_path / "o" / "config.json"))
+
+
+@needs_trl
+def test_trl_refuses_each_setting_it_cannot_honour_in_one_line(tmp_path):
+    """Settings SC-GRPO cannot honour on TRL are refused at construction, one line each; the
+    paper's loss type and TRL's other loss types run (a note for the latter)."""
+    import trl_scgrpo as T
+    kw = dict(output_dir=str(tmp_path), use_cpu=True, report_to="none", loss_type="grpo")
+    base = T.GRPOConfig(**kw)
+    assert T.refusal(base) is None
+    cases = [(dict(loss_type="luspo"), "'luspo'"), (dict(use_liger_kernel=True), "use_liger_kernel"),
+             (dict(top_entropy_quantile=0.5), "top_entropy_quantile"), (dict(scale_rewards="batch"), "scale_rewards"),
+             (dict(scale_rewards="none"), "scale_rewards"),
+             (dict(multi_objective_aggregation="normalize_then_sum"), "multi_objective_aggregation")]
+    for change, needle in cases:
+        why = T.refusal(T.GRPOConfig(**{**kw, **change}))
+        assert why and needle in why and "\n" not in why, change
+    for flags, needle in ((dict(zero3=True), "ZeRO-3"), (dict(fsdp=True), "FSDP")):
+        why = T.refusal(base, **flags)
+        assert needle in why.split(" is not supported")[0] and "\n" not in why
+    model, tok = P.make_tiny(0)
+    with pytest.raises(ValueError, match="^SCGRPOTrainer: scale_rewards='batch'"):
+        trl_fixed_step(model, tok, tmp_path, scale_rewards="batch")
+    with pytest.warns(UserWarning, match="loss_type='dr_grpo'"):
+        out, _, _ = trl_fixed_step(model, tok, tmp_path, loss_type="dr_grpo")
+    assert torch.isfinite(out["advantages"]).all()
+
+
+@needs_trl
+def test_trl_teacher_prompt_is_the_datasets_conversation_plus_the_reference(tmp_path):
+    """The teacher prompt keeps the dataset's own system prompt and turns, adds the guide and
+    the reference to the system message, and renders with the trainer's chat template
+    arguments: teacher and student text differ by exactly the guide and the reference."""
+    import trl_scgrpo as T
+    conversation = [{"role": "system", "content": "You are a careful calculator."},
+                    {"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "4"},
+                    {"role": "user", "content": "What is 3 + 4?"}]
+    teacher = T.teacher_conversation(conversation, "3 + 4 = 7")
+    assert teacher[0]["content"] == "You are a careful calculator." + S.GUIDE + "3 + 4 = 7"
+    assert teacher[1:] == conversation[1:] and conversation[0]["content"] == "You are a careful calculator."
+    assert T.teacher_conversation(conversation[1:], "7")[0] == {"role": "system", "content": S.GUIDE.lstrip() + "7"}
+    model, tok = P.make_tiny(0)
+    tok.chat_template = ("{%- for m in messages -%}<{{ m['role'] }}>{{ m['content'] }}{%- endfor -%}"
+                         "{%- if extra -%}{{ extra }}{%- endif -%}")
+    _, _, trainer = trl_fixed_step(model, tok, tmp_path, chat_template_kwargs={"extra": "+"})
+    student = tok.apply_chat_template(conversation, tokenize=False, extra="+")
+    ids = trainer.encode_teacher(tok, conversation, "3 + 4 = 7")
+    want = student.replace("careful calculator.", "careful calculator." + S.GUIDE + "3 + 4 = 7", 1)
+    assert ids == tok(want, add_special_tokens=False)["input_ids"] and want.endswith("+")
+
+
+@needs_trl
+def test_trl_truncated_and_unscorable_answers_are_never_references(tmp_path):
+    """With mask_truncated_completions, the answer cut at the length cap (group 0, answer 4)
+    is emptied by TRL; an answer no reward function scores (group 1, answer 2) has a NaN
+    reward. Neither is correct, neither is ever a reference or o_r, both get advantage 0."""
+    rewards = [float(c) for _, _, cs in REF_TABLE for c in cs]
+    rewards[REF_G + 2] = None
+    bad = {4, REF_G + 2}
+    for seed in range(4):  # o_r is drawn anew for each seed
+        out, batch, _ = trl_fixed_step(P.make_tiny(0)[0], P.make_tiny(0)[1], tmp_path, rewards,
+                                       mask_truncated_completions=True, seed=seed)
+        assert not bad & set(batch.ref.tolist())
+        assert all(out["advantages"][n].abs().sum() == 0 for n in bad)
+        assert out["advantages"][[0, 1, 2, 3, REF_G]].abs().sum() > 0
+
+
+def test_references_skip_answers_that_are_not_usable():
+    rng = random.Random(0)
+    usable = [True, False, True, True, False]
+    for _ in range(500):
+        for i, j in enumerate(S.pick_references([1, 1, 0, 1, 0], "partial", rng, usable)):
+            assert j in (0, 3) and j != i
+        refs = S.pick_references([0] * 5, "none", rng, usable)
+        assert refs.index(None) in (0, 2, 3)
+    assert S.pick_references([0] * 5, "none", random.Random(3)) == S.pick_references([0] * 5, "none", random.Random(3), [True] * 5)
+
+
+@needs_trl
+def test_trl_with_a_lora_model_scores_through_the_adapters(tmp_path):
+    """A PEFT LoRA model: the teacher runs the plain path through the adapted model, and the
+    per-token advantages equal the plain reference computed with that same adapted model
+    (not with the base model: the adapters were moved off zero)."""
+    from peft import LoraConfig, get_peft_model
+    model, tok = P.make_tiny(0)
+    lora = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(0)
+        for name, p in lora.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g))
+    out, batch, trainer = trl_fixed_step(lora, tok, tmp_path)
+    assert not trainer.sc_cfg.fast
+    lora.eval()
+    want, _, _ = trl_reference(lora, tok, batch)
+    torch.testing.assert_close(out["advantages"][:, :REF_MAX_NEW], want, rtol=1e-3, atol=1e-5)
+    base, _ = P.make_tiny(0)
+    assert not torch.allclose(trl_reference(base, tok, batch)[0], want, rtol=1e-3, atol=1e-5)
+
+
+def softcapped_model():
+    """A tiny Gemma-2, whose logits are soft-capped: not its LM head of the hidden state."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+    torch.manual_seed(0)
+    return Gemma2ForCausalLM(Gemma2Config(
+        vocab_size=15, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, head_dim=16, final_logit_softcapping=1.0, pad_token_id=0, eos_token_id=0,
+        bos_token_id=0, attn_implementation="eager"))
+
+
+def test_logits_that_are_not_the_head_of_the_hidden_state_are_refused_under_fast(tmp_path, capsys, monkeypatch):
+    capped, (tiny_model, tok) = softcapped_model(), P.make_tiny(0)
+    assert P.logits_are_head_of_hidden(tiny_model) and not P.logits_are_head_of_hidden(capped)
+    monkeypatch.setattr(P, "load_model", lambda name, seed: (capped, tok))
+    args = ["--steps", "2", "--eval-n", "2", "--eval-k", "0", "--eval-every", "2"]
+    with pytest.raises(SystemExit) as e:
+        S.main([*args, "--out", str(tmp_path / "a")])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and "--fast false" in err and len(err.splitlines()) == 1
+    S.main([*args, "--fast", "false", "--out", str(tmp_path / "b")])  # the plain path runs it
+    assert [m["step"] for m in read_metrics(str(tmp_path / "b")) if "reward_mean" in m] == [1, 2]
+
+
+@needs_trl
+def test_trl_gives_a_softcapped_model_the_plain_teacher(tmp_path):
+    _, tok = P.make_tiny(0)
+    out, _, trainer = trl_fixed_step(softcapped_model(), tok, tmp_path)
+    assert not trainer.sc_cfg.fast and torch.isfinite(out["advantages"]).all()
+    assert out["advantages"].abs().sum() > 0
+
+
+def trl_worker(out_dir):
+    """One process of the two-process test, under torchrun: its share of the fixed batch."""
+    from accelerate import PartialState
+    state = PartialState(cpu=True)
+    model, tok = P.make_tiny(0)
+    out, batch, _ = trl_fixed_step(model, tok, out_dir, process=(state.process_index, state.num_processes))
+    torch.save(dict(adv=out["advantages"], ref=batch.ref, row=batch.row, n=state.num_processes),
+               os.path.join(out_dir, f"rank{state.process_index}.pt"))
+    state.wait_for_everyone()
+    torch.distributed.destroy_process_group()
+
+
+@needs_trl
+def test_trl_two_processes_each_get_their_slice_of_the_one_process_advantages(tmp_path):
+    """Two CPU processes (torchrun, gloo): the same references drawn on both, and each process
+    gets exactly its rows of the per-token advantages that one process computes; then a short
+    two-process training run of trl_scgrpo.py logs finite losses and sc/ metrics."""
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    r = subprocess.run([*torchrun, os.path.join(HERE, "test_scgrpo.py"), "--trl-worker", str(tmp_path)],
+                       capture_output=True, text=True, timeout=300, cwd=HERE, env=ONE_THREAD)
+    assert r.returncode == 0, r.stderr[-3000:]
+    parts = [torch.load(str(tmp_path / f"rank{k}.pt")) for k in (0, 1)]
+    assert [p["n"] for p in parts] == [2, 2]  # a real two-process group, not two single ones
+    model, tok = P.make_tiny(0)
+    one, batch, _ = trl_fixed_step(model, tok, tmp_path / "one")
+    half = len(REF_TABLE) * REF_G // 2
+    for k, part in enumerate(parts):
+        assert torch.equal(part["ref"], batch.ref) and torch.equal(part["row"], batch.row)
+        want, got = one["advantages"][k * half:(k + 1) * half], part["adv"]
+        C = min(want.shape[1], got.shape[1])  # each process pads to its own longest answer
+        torch.testing.assert_close(got[:, :C], want[:, :C], rtol=1e-5, atol=1e-7)  # threads: last bits
+        assert not want[:, C:].any() and not got[:, C:].any()
+    r = subprocess.run([*torchrun, os.path.join(HERE, "trl_scgrpo.py"), "--model", "tiny", "--task", "arith",
+                        "--steps", "3", "--prompts-per-step", "4", "--out", str(tmp_path / "run")],
+                       capture_output=True, text=True, timeout=300, cwd=HERE, env=ONE_THREAD)
+    assert r.returncode == 0, r.stderr[-3000:]
+    with open(str(tmp_path / "run" / "log_history.json")) as f:
+        logs = [x for x in json.load(f) if "loss" in x]
+    assert len(logs) == 3 and all(math.isfinite(x["loss"]) and "sc/groups_partial" in x for x in logs)
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--trl-worker"]:
+    trl_worker(sys.argv[2])

@@ -19,29 +19,82 @@ Differences from TRL's own GRPO advantages, on purpose: the population std witho
 Every process runs the teacher on the whole generation batch (each needs all of f(D) for c and
 Eq. (5)), then keeps its own rows: simple, and N processes do N times the teacher's work.
 
+The teacher's prompt is the dataset's own conversation with the guide and the reference joined
+to its system message (or a new one), rendered with the trainer's chat_template_kwargs: teacher
+and student differ only by the reference. An answer that TRL masked as truncated
+(mask_truncated_completions) or that no reward function could score (NaN) is never correct and
+never a reference, and gets advantage 0. D is measured once per generation batch: with
+num_iterations > 1, or steps_per_generation above the gradient accumulation, the later steps on
+that batch reuse weights f(D) measured under the policy that sampled it (as scgrpo.py does for
+its PPO epochs). A PEFT model, or one whose logits are not its LM head applied to the final
+hidden state (soft-capping), gets the plain teacher of scgrpo.py (full logits, F.kl_div; more
+memory); the rest get the fast one.
+
+Supported settings, and refused ones (one line at construction): DDP and DeepSpeed ZeRO-1/2 run;
+ZeRO-3 and FSDP are refused (the fast teacher reads the LM head's weight outside a forward pass,
+where it is an empty shard). Refused too: loss_type 'luspo' (a mean over every padded position),
+use_liger_kernel (one advantage per answer), top_entropy_quantile < 1 (it masks tokens after c
+was set over them), scale_rewards other than 'group' and multi_objective_aggregation other than
+'sum_then_normalize' (Eq. (1) over summed rewards replaces both). loss_type other than 'grpo'
+(the paper's per-sequence mean) runs, with a one-line note.
+
 Run it (the same dataset format as scgrpo.py's tasks; `--help` for every flag):
     python trl_scgrpo.py --model tiny --task arith --steps 30                 # CPU, a minute
     python trl_scgrpo.py --model SmolLM2-135M --task addition --steps 4      # CPU, a few minutes
+    torchrun --standalone --nproc_per_node 2 trl_scgrpo.py --steps 3   # two CPU processes
     accelerate launch --num_processes 8 trl_scgrpo.py --model Qwen3-1.7B --task gsm8k --use-vllm
 """
 import argparse
 import json
 import os
 import random
+import warnings
 
 import torch
-from accelerate.utils import gather_object
+from accelerate.utils import gather_object, is_peft_model
 from trl import GRPOConfig, GRPOTrainer
 
 import plumbing as P
 import scgrpo as S
 
 
-def question_of(prompt):
-    """The question text of a TRL prompt: a string, or the last user message of a chat."""
-    if isinstance(prompt, str):
-        return prompt
-    return [m for m in prompt if m["role"] == "user"][-1]["content"]
+def refusal(args, zero3=False, fsdp=False):
+    """The first setting this trainer cannot honour, as one line with its fix; None if none.
+    args: a GRPOConfig; zero3, fsdp: whether the launcher shards parameters that way."""
+    if zero3 or fsdp:
+        return (f"{'DeepSpeed ZeRO-3' if zero3 else 'FSDP'} is not supported: the teacher reads the "
+                "LM head's weight outside a forward pass, where it is an empty shard; use ZeRO-1/2 "
+                "or DDP")
+    if args.loss_type == "luspo":
+        return ("loss_type='luspo' averages over every padded position, which would scale the "
+                "per-token advantages by 1/T; use 'grpo' (the paper's), 'dr_grpo', 'bnpo' or 'dapo'")
+    if args.use_liger_kernel:
+        return ("use_liger_kernel=True takes one advantage per answer, SC-GRPO gives one per "
+                "token; set use_liger_kernel=False")
+    if args.top_entropy_quantile < 1:
+        return (f"top_entropy_quantile={args.top_entropy_quantile} masks tokens after c was set "
+                "over them; set it to 1.0")
+    if args.scale_rewards != "group":
+        return (f"scale_rewards={args.scale_rewards!r} is not used: SC-GRPO's Eq. (1) scales by "
+                "each group's std; set scale_rewards='group'")
+    if args.multi_objective_aggregation != "sum_then_normalize":
+        return (f"multi_objective_aggregation={args.multi_objective_aggregation!r} is not used: "
+                "SC-GRPO sums the reward functions, then Eq. (1); set 'sum_then_normalize'")
+    return None
+
+
+def teacher_conversation(conversation, reference, tiny=False):
+    """Eq. (4) on a dataset's own prompt: the guide and the reference join its system message
+    (or a new one); every other message is kept. A plain-text prompt gets them in front."""
+    extra = reference if tiny else S.GUIDE + reference  # the tiny model reads digits only
+    if isinstance(conversation, str):
+        return extra.lstrip() + "\n\n" + conversation
+    messages = [dict(m) for m in conversation]
+    if messages and messages[0]["role"] == "system":
+        messages[0]["content"] += extra
+    else:
+        messages.insert(0, {"role": "system", "content": extra.lstrip()})
+    return messages
 
 
 def text_of(completion):
@@ -71,15 +124,38 @@ class SCGRPOTrainer(GRPOTrainer):
     def __init__(self, *args, c_min=1e-4, kl_quantile=0.75, alpha_div=0.1, teacher_micro_batch=8,
                  **kwargs):
         super().__init__(*args, **kwargs)
+        plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
+        zero3 = bool(self.is_deepspeed_enabled and plugin and plugin.zero_stage == 3)
+        why = refusal(self.args, zero3, self.is_fsdp_enabled)
+        if why:
+            raise ValueError(f"SCGRPOTrainer: {why}")
+        if self.args.loss_type != "grpo":
+            warnings.warn(f"SCGRPOTrainer: loss_type={self.args.loss_type!r} normalises the loss "
+                          "differently from the paper's per-sequence mean ('grpo')", stacklevel=2)
+        model = self.accelerator.unwrap_model(self.model)
+        # The fast teacher (speed.py) reads the final hidden state and the head's weight; a PEFT
+        # model or soft-capped logits get the plain teacher (full logits through the model).
+        fast = not is_peft_model(model) and P.logits_are_head_of_hidden(model)
         self.sc_cfg = S.Config(algo="scgrpo", group_size=self.num_generations, c_min=c_min,
-                               kl_quantile=kl_quantile, alpha_div=alpha_div,
+                               kl_quantile=kl_quantile, alpha_div=alpha_div, fast=fast,
                                temperature=self.args.temperature, micro_batch=teacher_micro_batch)
         self.sc_rng = random.Random(self.args.seed)  # the same on every process: same references
 
+    def encode_teacher(self, tok, conversation, reference):
+        """Token ids of the teacher prompt: teacher_conversation rendered as TRL renders the
+        student's prompt (the chat template with the trainer's chat_template_kwargs)."""
+        prompt = teacher_conversation(conversation, reference, tok.chat_template == P.TINY_TEMPLATE)
+        if not isinstance(prompt, str):
+            prompt = tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True,
+                                             **self.chat_template_kwargs)
+        return tok(prompt, add_special_tokens=False)["input_ids"]
+
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-        # (N_global, functions) for every process's answers; one summed reward per answer
+        # (N_global, functions) for every process's answers; one summed reward per answer, and
+        # whether any reward function could score it at all
         self._sc_reward = (rewards * self.reward_weights.to(rewards.device)).nansum(1)
+        self._sc_scored = ~torch.isnan(rewards).all(1)
         return rewards
 
     def rollout(self, inputs, out):
@@ -88,35 +164,40 @@ class SCGRPOTrainer(GRPOTrainer):
         def unpadded(ids, mask):
             return [i[m.bool()].tolist() for i, m in zip(ids, mask)]
         G, device = self.num_generations, out["completion_ids"].device
-        questions = gather_object([question_of(x["prompt"]) for x in inputs])
+        conversations = gather_object([x["prompt"] for x in inputs])
         prompts = gather_object(unpadded(out["prompt_ids"], out["prompt_mask"]))
         answers = gather_object(unpadded(out["completion_ids"], out["completion_mask"]))
         ids = torch.nn.utils.rnn.pad_sequence([torch.tensor(a, dtype=torch.long) for a in answers],
                                               batch_first=True)                    # (N, L)
         mask = torch.arange(ids.shape[1]) < torch.tensor([len(a) for a in answers])[:, None]
         reward = self._sc_reward.float().cpu().view(-1, G)                         # (B, G)
+        # usable: scored by some reward function and not emptied by mask_truncated_completions
+        usable = self._sc_scored.cpu().view(-1, G) & (mask.sum(1) > 0).view(-1, G)   # (B, G)
         texts = self.processing_class.batch_decode(answers, skip_special_tokens=True)
-        return S.Rollout([{"question": q, "answer": ""} for q in questions[::G]], prompts[::G],
-                         ids.to(device), mask.to(device), texts, (reward > 0.5).float(), reward)
+        correct = ((reward > 0.5) & usable).float()
+        return S.Rollout([{"question": c, "answer": ""} for c in conversations[::G]], prompts[::G],
+                         ids.to(device), mask.to(device), texts, correct, correct * reward), usable
 
     def _generate_and_score_completions(self, inputs):
         out = super()._generate_and_score_completions(inputs)
         if not self.model.training:  # evaluation keeps TRL's advantages (they are not used)
             return out
-        ro = self.rollout(inputs, out)
+        ro, usable = self.rollout(inputs, out)
         adv = S.group_advantages(ro.reward)                                        # Eq. (1)
         routes = S.route_groups(ro.reward, "scgrpo")
-        batch = S.make_batch(ro, routes, adv, self.sc_rng)
+        batch = S.make_batch(ro, routes, adv, self.sc_rng, usable)
         model = self.accelerator.unwrap_model(self.model)
         stats = {}
         if bool((batch.ref >= 0).any()):
             training = model.training
             model.eval()  # under activation checkpointing HF drops the KV cache in train mode
             model.autocast_dtype = torch.bfloat16 if self.args.bf16 else None
-            stats = S.self_condition(model, self.processing_class, self.sc_cfg, ro, batch)
+            stats = S.self_condition(model, self.processing_class, self.sc_cfg, ro, batch,
+                                     encode=self.encode_teacher)
             model.train(training)
         per_token = torch.zeros(ro.ids.shape, device=ro.ids.device)               # (N, L)
         per_token[batch.row] = batch.adv[:, None].to(per_token.device) * batch.weights
+        per_token[~usable.view(-1).to(per_token.device)] = 0.0  # no signal from those answers
         B, C = out["completion_ids"].shape  # this process's rows, padded to C columns
         start = self.accelerator.process_index * B
         per_token = torch.nn.functional.pad(per_token, (0, max(0, C - per_token.shape[1])))
@@ -147,7 +228,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     from accelerate import PartialState
     from datasets import Dataset
-    answers, processes = args.prompts_per_step * args.group_size, PartialState().num_processes
+    answers = args.prompts_per_step * args.group_size
+    processes = PartialState(cpu=not torch.cuda.is_available()).num_processes
     if answers % processes:
         P.die(f"--prompts-per-step x --group-size ({answers}) must split evenly over {processes} "
               "processes")
@@ -164,15 +246,23 @@ def main(argv=None):
         temperature=args.temperature or preset.get("temperature", 1.0), beta=0.0, num_iterations=1,
         learning_rate=args.lr or preset["lr"], loss_type="grpo", max_grad_norm=1.0, bf16=args.bf16,
         use_vllm=args.use_vllm, save_strategy="no", logging_steps=1,
+        use_cpu=not torch.cuda.is_available(),  # several CPU processes need accelerate's cpu mode
         chat_template_kwargs={"enable_thinking": False})
     rows = make_dataset(P.load_task(cfg)[0], tok)
-    trainer = SCGRPOTrainer(model=model, processing_class=tok, reward_funcs=[correctness],
-                            args=config, train_dataset=Dataset.from_list(rows))
+    try:
+        trainer = SCGRPOTrainer(model=model, processing_class=tok, reward_funcs=[correctness],
+                                args=config, train_dataset=Dataset.from_list(rows))
+    except ValueError as e:  # a setting SC-GRPO cannot honour: one line, exit 2
+        P.die(str(e))
     trainer.train()
     trainer.save_model(args.out)
-    with open(os.path.join(args.out, "log_history.json"), "w") as f:  # TRL's logs, sc/* included
-        json.dump(trainer.state.log_history, f, indent=1)
-    print(f"done: model and log_history.json in {args.out}")
+    if trainer.accelerator.is_main_process:  # TRL's logs, sc/* included
+        with open(os.path.join(args.out, "log_history.json"), "w") as f:
+            json.dump(trainer.state.log_history, f, indent=1)
+        print(f"done: model and log_history.json in {args.out}")
+    trainer.accelerator.wait_for_everyone()
+    if torch.distributed.is_initialized():  # leave the process group together, not one by one
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
