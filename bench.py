@@ -2,9 +2,8 @@
 Speed and memory of one training step: our GRPO, our SC-GRPO, and TRL's GRPOTrainer, with the
 same model, prompts, group size, answer length, temperature and reward.
 
-    python ../shared/tools/make_offline_model.py --arch qwen-tiny --out /tmp/qwen-tiny
-    python bench.py --model /tmp/qwen-tiny --data ../shared/data/gsm8k            # needs requirements-bench.txt
-    python bench.py --model /tmp/qwen05 --data ../shared/data/gsm8k --prompts 1 --group 8 --max-new 128 --impls scgrpo
+    python bench.py --model random:qwen-tiny                    # TRL too: needs requirements-bench.txt
+    python bench.py --model random:qwen2.5-0.5b --prompts 1 --group 8 --max-new 128 --impls scgrpo
     python bench.py --model SmolLM2-135M --data data/addition --prompts 4 --max-new 64 --micro-batch 16 \
         --impls scgrpo scgrpo@bf16                                                   # bf16 vs fp32 on a CPU
     python bench.py --gpu-check                  # on a lent GPU: the CUDA-only paths, pass/fail, < 5 min
@@ -15,13 +14,18 @@ The benchmark therefore grades with a coin flip fixed by the answer's text (crc3
 implementations: groups hold both outcomes and every step really updates. Each implementation
 runs in its own process (peak memory is per process): `--steps` timed steps after one warm-up.
 Peak memory is the process's peak RSS on CPU, torch.cuda.max_memory_allocated on GPU.
+`--model random:ARCH` builds a random-weight model of a published shape (SHAPES) with Qwen's
+151,936-entry vocabulary and a character-level tokenizer, in a temporary folder: the real sizes,
+offline. Without --data the questions are the built-in addition task's.
 """
 import argparse
+import atexit
 import json
 import math
 import os
 import random
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -34,6 +38,40 @@ import torch
 import plumbing as P
 import scgrpo as S
 import speed
+
+
+SHAPES = {  # Qwen2 shapes as published in each model's config.json
+    "qwen-tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2),
+    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                         num_key_value_heads=2),
+}
+
+
+def write_random_model(arch, folder, vocab_size=151936):
+    """A Qwen2 of a SHAPES shape with random weights and Qwen's vocabulary size, saved with a
+    character-level ChatML tokenizer over that vocabulary (every id decodes to something).
+    For speed and memory at the real size: it learns nothing."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    if arch not in SHAPES:
+        P.die(f"--model random:{arch}: unknown shape; use one of {', '.join(SHAPES)}")
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"]
+    chars = [chr(c) for c in range(32, 127)] + ["\n"]
+    vocab = {w: i for i, w in enumerate(specials + chars)}
+    vocab.update({f"<t{i}>": i for i in range(len(vocab), vocab_size)})
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer, core.decoder = pre_tokenizers.Split(Regex("."), "isolated"), decoders.Fuse()
+    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                  unk_token="<unk>", additional_special_tokens=specials[:2], chat_template=template)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=vocab_size, tie_word_embeddings=True, rms_norm_eps=1e-6,
+                                         rope_theta=1e6, max_position_embeddings=32768, bos_token_id=0,
+                                         eos_token_id=2, pad_token_id=0, **SHAPES[arch]))
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
 
 
 def coin_reward(completion, gold):
@@ -50,7 +88,8 @@ def run_ours(args, impl):
     """One of our implementations; "scgrpo@bf16" runs SC-GRPO under bf16 autocast."""
     S.verify = coin_reward  # the same reward as TRL's below
     algo, _, dtype = impl.partition("@")
-    cfg = S.Config(model=args.model, task="gsm8k", data=args.data, algo=algo, prompts_per_step=args.prompts,
+    cfg = S.Config(model=args.model, task="gsm8k" if args.data else "addition", data=args.data or "",
+                   algo=algo, prompts_per_step=args.prompts,
                    group_size=args.group, max_new_tokens=args.max_new, micro_batch=args.micro_batch,
                    grad_checkpoint=args.grad_checkpoint, lr=1e-6, seed=0, device=args.device)
     device = P.pick_device(cfg.device)
@@ -81,7 +120,7 @@ def run_trl(args, sc=False):
     from datasets import Dataset
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
-    train_rows, _ = P.load_task(S.Config(task="gsm8k", data=args.data))
+    train_rows, _ = P.load_task(S.Config(task="gsm8k" if args.data else "addition", data=args.data or ""))
     prompts = [[{"role": "system", "content": S.SYSTEM_PROMPT}, {"role": "user", "content": r["question"]}]
                for r in train_rows[:args.prompts * (args.steps + 2)]]
     rewards_seen = []
@@ -214,7 +253,7 @@ def rescore_cost(args):
     model.eval().autocast_dtype = torch.bfloat16
     cfg = S.Config(algo="scgrpo", group_size=args.group, max_new_tokens=args.max_new,
                    temperature=0.8, micro_batch=args.micro_batch)
-    rows = P.load_task(S.Config(task="gsm8k", data=args.data))[0][:args.prompts]
+    rows = P.load_task(S.Config(task="gsm8k" if args.data else "addition", data=args.data or ""))[0][:args.prompts]
     prompts = [S.encode_prompt(tok, r["question"]) for r in rows]
     ids, mask, h, lse = speed.sample(model, prompts, cfg.group_size, cfg.max_new_tokens, 0.8,
                                  P.stop_ids(model, tok), tok.pad_token_id or 0,
@@ -239,8 +278,8 @@ def rescore_cost(args):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", help="local model folder (e.g. from make_offline_model.py) or SmolLM2-135M")
-    ap.add_argument("--data", help="folder with train.jsonl/test.jsonl (GSM8K schema)")
+    ap.add_argument("--model", help="random:ARCH (a random model of a SHAPES shape), SmolLM2-135M or a folder")
+    ap.add_argument("--data", help="folder with train.jsonl/test.jsonl (GSM8K schema); default: the addition task")
     ap.add_argument("--gpu-check", action="store_true", help="check the GPU-only paths (see gpu_check)")
     ap.add_argument("--small", action="store_true", help="--gpu-check at toy sizes (to test it on a CPU)")
     ap.add_argument("--rescore-cost", action="store_true", help="bf16: teacher phase with and without "
@@ -258,8 +297,13 @@ def main():
     args = ap.parse_args()
     if args.gpu_check:
         sys.exit(gpu_check(args))
-    if not (args.model and args.data):
-        ap.error("--model and --data are needed (or --gpu-check)")
+    if not args.model:
+        ap.error("--model is needed (or --gpu-check)")
+    if args.model.startswith("random:"):  # built once here; the subprocesses read the folder
+        folder = tempfile.mkdtemp(prefix="bench-model-")
+        write_random_model(args.model.split(":", 1)[1], folder)
+        atexit.register(shutil.rmtree, folder, True)
+        sys.argv[sys.argv.index(args.model)] = args.model = folder
     if args.rescore_cost:
         return rescore_cost(args)
     if args.only:

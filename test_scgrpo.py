@@ -1349,6 +1349,18 @@ def test_gpu_check_script_runs_at_toy_sizes_on_the_cpu():
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "0 failed" in r.stdout and r.stdout.count("| PASS |") >= 12
 
+def test_bench_builds_its_own_random_model_of_a_named_shape():
+    """bench.py's documented commands need nothing outside the repository: --model random:ARCH
+    builds the model (Qwen's 151,936-entry vocabulary) and the questions are the built-in ones."""
+    r = subprocess.run([sys.executable, os.path.join(HERE, "bench.py"), "--model", "random:qwen-tiny", "--impls",
+                        "grpo", "--steps", "1", "--prompts", "1", "--group", "2", "--micro-batch", "2",
+                        "--max-new", "4"], capture_output=True, text=True, timeout=300, cwd=HERE)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "| grpo |" in r.stdout and "1 prompts x 2 answers x 4 new tokens" in r.stdout
+    r = subprocess.run([sys.executable, os.path.join(HERE, "bench.py"), "--model", "random:qwen-9b"],
+                       capture_output=True, text=True, timeout=300, cwd=HERE)
+    assert r.returncode == 2 and "unknown shape" in r.stderr and "Traceback" not in r.stderr
+
 # ----------------------------------------------------------------------------- SC-GRPO on TRL's GRPOTrainer
 
 
