@@ -22,7 +22,7 @@ Where this file simplifies or interprets the paper (docs/notes.md says why, at l
  4. Solve-none groups: tokens past L_i = min(|o_i|, |o_r|) get weight 0 (s_i never saw them).
  5. Solve-none groups: Eq. (5)'s mean and std run over the G-1 answers other than o_r.
  6. Solve-none groups: o_r goes into the teacher prompt under the same guide text as a verified one.
- 7. Eq. (1) and (5) use the population std; an all-equal group is skipped but counts in 1/G.
+ 7. Eq. (1) and (5) use the population std; a skipped (all-equal) group still counts in the 1/B.
  8. DAPO's dynamic sampling drops groups whose shaped rewards are all equal.
  9. Log-probs and KL use the sampling distribution softmax(z / temperature).
 10. No reference-model KL (beta = 0), a constant learning rate, gradient clipping at 1.0.
@@ -432,11 +432,11 @@ def self_condition(model, tok, cfg, ro, batch, encode=encode_prompt):
     batch.weights[routed] = weights
     # Eq. (5): each solve-none group's answers get the diversity advantage instead of 0
     for b in sorted({int(batch.row[m]) // G for m in routed if batch.route[m] == "none"}):
-        members = (batch.row // G == b).nonzero().squeeze(1)  # every answer of b but o_r
-        i = batch.row[members] % G
+        members = (batch.row // G == b).nonzero().squeeze(1)  # batch rows: b's answers but o_r
+        i = batch.row[members] % G  # their places in the group; r below: o_r's place
         w = torch.zeros(G, int(lengths[batch.row[members]].max()))                 # (G, L_b)
         w[i] = batch.weights[members, :w.shape[1]].cpu()
-        r = int(batch.ref[members[0]]) % G
+        r = int(batch.ref[members[0]]) % G  # every member's reference is o_r
         batch.adv[members] = diversity_advantages(w, ro.lengths[b], r, cfg.alpha_div)[i]
     q = torch.tensor([0.5, 0.75, 0.95], device=device)
     p50, p75, p95 = torch.quantile(kl[active].float(), q).tolist()
