@@ -174,9 +174,9 @@ class SCGRPOTrainer(GRPOTrainer):
         # usable: scored by some reward function and not emptied by mask_truncated_completions
         usable = self._sc_scored.cpu().view(-1, G) & (mask.sum(1) > 0).view(-1, G)   # (B, G)
         texts = self.processing_class.batch_decode(answers, skip_special_tokens=True)
-        correct = ((reward > 0.5) & usable).float()
+        reward = torch.where(usable, reward, torch.zeros_like(reward))  # unusable: a wrong answer
         return S.Rollout([{"question": c, "answer": ""} for c in conversations[::G]], prompts[::G],
-                         ids.to(device), mask.to(device), texts, correct, correct * reward), usable
+                         ids.to(device), mask.to(device), texts, (reward > 0.5).float(), reward), usable
 
     def _generate_and_score_completions(self, inputs):
         out = super()._generate_and_score_completions(inputs)
