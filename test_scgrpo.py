@@ -1529,7 +1529,7 @@ def trl_worker(out_dir):
     torch.save(dict(adv=out["advantages"], ref=batch.ref, row=batch.row, n=state.num_processes),
                os.path.join(out_dir, f"rank{state.process_index}.pt"))
     state.wait_for_everyone()
-    torch.distributed.destroy_process_group()
+    os._exit(0)  # as trl_scgrpo.main: no interpreter teardown of the gloo group
 
 
 @needs_trl

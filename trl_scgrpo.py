@@ -48,6 +48,7 @@ import argparse
 import json
 import os
 import random
+import sys
 import warnings
 
 import torch
@@ -260,9 +261,13 @@ def main(argv=None):
         with open(os.path.join(args.out, "log_history.json"), "w") as f:
             json.dump(trainer.state.log_history, f, indent=1)
         print(f"done: model and log_history.json in {args.out}")
-    trainer.accelerator.wait_for_everyone()
-    if torch.distributed.is_initialized():  # leave the process group together, not one by one
-        torch.distributed.destroy_process_group()
+    if torch.distributed.is_initialized():
+        trainer.accelerator.wait_for_everyone()  # every process has saved and logged
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # Skip the interpreter's teardown: freeing DDP's gloo group there can deadlock (seen with
+        # torch 2.13 on a CPU: its worker thread waits for the GIL that the freeing thread holds).
+        os._exit(0)
 
 
 if __name__ == "__main__":
