@@ -16,6 +16,7 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -36,11 +37,29 @@ STUDIES = {
     "smollm2": dict(flags=["--model", "SmolLM2-135M", "--task", "addition", "--steps", "8", "--eval-every", "2",
                            "--eval-k", "0"],
                     seeds=[0, 1, 2], reach=None, gain=0.10),
+    # Why SC-GRPO trails GRPO on SmolLM2 (docs/ablation.md): the preset run to 20 steps, greedy
+    # accuracy every 4, and arms that each remove one suspected cause (ARMS below).
+    "smollm2-ablation": dict(flags=["--model", "SmolLM2-135M", "--task", "addition", "--steps", "20",
+                                    "--eval-every", "4", "--eval-k", "0"],
+                             seeds=[0, 1, 2], reach=None, gain=0.10,
+                             arms=["grpo", "scgrpo", "scgrpo-nodiv", "scgrpo-lr"]),
+}
+
+# An arm is an algorithm plus the scgrpo.py flags that change it; each algorithm is an arm of its own.
+ARMS = {
+    "grpo": ("grpo", []), "dapo": ("dapo", []), "scgrpo": ("scgrpo", []),
+    # no solve-none route: Eq. (5)'s advantages are 0, so those groups give no gradient, as in GRPO
+    "scgrpo-nodiv": ("scgrpo", ["--alpha-div", "0"]),
+    # the learning rate x 1 / (mean f(D)), so that a partial group's mean per-token gradient
+    # coefficient w * A matches GRPO's A: the factor is measured in docs/ablation.md
+    "scgrpo-lr": ("scgrpo", ["--lr", "LR_SCALED"]),
 }
 
 
-def run_one(algo, seed, out_root, flags):
-    out = os.path.join(out_root, f"{algo}-s{seed}")
+def run_one(arm, seed, out_root, flags):
+    algo, arm_flags = ARMS[arm]
+    flags = flags + arm_flags
+    out = os.path.join(out_root, f"{arm}-s{seed}")
     metrics, stamp = os.path.join(out, "metrics.jsonl"), os.path.join(out, "fingerprint.txt")
     with open(os.path.join(HERE, "scgrpo.py"), "rb") as f:
         fingerprint = hashlib.sha256(f.read() + repr(flags).encode()).hexdigest()
@@ -64,9 +83,9 @@ def run_one(algo, seed, out_root, flags):
     if "eval_avg_at_k" not in evals[-1]:
         evals[-1].update(final_avg_and_pass(out, fingerprint))
     kl_p75 = [m["kl_p75"] for m in lines if "kl_p75" in m]
-    print(f"{algo:7s} seed {seed}: greedy {evals[0]['eval_greedy_acc']:.3f} -> {evals[-1]['eval_greedy_acc']:.3f}",
+    print(f"{arm:12s} seed {seed}: greedy {evals[0]['eval_greedy_acc']:.3f} -> {evals[-1]['eval_greedy_acc']:.3f}",
           file=sys.stderr)
-    return dict(algo=algo, seed=seed, curve=[(m["step"], m["eval_greedy_acc"]) for m in evals],
+    return dict(arm=arm, seed=seed, curve=[(m["step"], m["eval_greedy_acc"]) for m in evals],
                 avg=evals[-1]["eval_avg_at_k"], passk=evals[-1]["eval_pass_at_k"],
                 kl_p75=statistics.median(kl_p75) if kl_p75 else None,
                 seconds=sum(m["seconds"] for m in lines if "seconds" in m))
@@ -92,8 +111,26 @@ def final_avg_and_pass(out, fingerprint, k=8):
     return res
 
 
+# Second wordings of the addition task's held-out sums, never seen in training: does what a run
+# learned carry over to another phrasing of the same question?
+WORDINGS = {"add": "Add {a} and {b}.",
+            "story": "Sam has {a} marbles and finds {b} more. How many marbles does Sam have now?"}
+
+
+def reworded(rows, template):
+    """The same sums, asked another way (rows of the addition task: 'What is a + b?')."""
+    out = []
+    for r in rows:
+        a, b = re.fullmatch(r"What is (\d+) \+ (\d+)\?", r["question"]).groups()
+        out.append({**r, "question": template.format(a=a, b=b)})
+    return out
+
+
 def evaluate_final(folder, k):
-    """scgrpo.evaluate on a saved final model, with the run's own config and questions."""
+    """scgrpo.evaluate on a saved final model, with the run's own config and questions; on the
+    addition task also the greedy accuracy on each of WORDINGS."""
+    import dataclasses
+
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -103,8 +140,12 @@ def evaluate_final(folder, k):
         cfg = S.Config(**{**json.load(f), "eval_k": k})
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(folder)
-    test_rows = P.load_task(cfg)[1][:cfg.eval_n]
-    res, _ = S.evaluate(model, tok, test_rows, cfg, P.stop_ids(model, tok))
+    test_rows, eos = P.load_task(cfg)[1][:cfg.eval_n], P.stop_ids(model, tok)
+    res, _ = S.evaluate(model, tok, test_rows, cfg, eos)
+    for name, template in (WORDINGS.items() if cfg.task == "addition" else ()):
+        greedy = dataclasses.replace(cfg, eval_k=0)
+        res[f"greedy_{name}"] = S.evaluate(model, tok, reworded(test_rows, template), greedy, eos)[0][
+            "eval_greedy_acc"]
     return res
 
 
@@ -123,7 +164,7 @@ def table(results, algos, reach, gain):
     rows = [f"| algorithm | final greedy acc | Avg@8 | Pass@8 | steps to {target} (runs that got there) | "
             "median kl_p75 (nats) | train s/run |", "|---|---|---|---|---|---|---|"]
     for a in algos:
-        rs = [r for r in results if r["algo"] == a]
+        rs = [r for r in results if r["arm"] == a]
         hit = [s for s in (steps_to(r["curve"], reach, gain) for r in rs) if s is not None]
         steps = f"{mean_std(hit, '.1f')} ({len(hit)}/{len(rs)})" if hit else f"never (0/{len(rs)})"
         kl = [r["kl_p75"] for r in rs if r["kl_p75"] is not None]
@@ -141,7 +182,7 @@ def plot(results, algos, path, title):
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
     for a in algos:
-        curves = [dict(r["curve"]) for r in results if r["algo"] == a]
+        curves = [dict(r["curve"]) for r in results if r["arm"] == a]
         steps = sorted(set.intersection(*(set(c) for c in curves)))
         accs = [[c[s] for c in curves] for s in steps]
         line, = ax.plot(steps, [statistics.mean(x) for x in accs], marker="o", label=f"{a} ({len(curves)} seeds)")
@@ -158,7 +199,8 @@ def plot(results, algos, path, title):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--study", choices=sorted(STUDIES), default="tiny", help="model, task and seeds to compare")
-    ap.add_argument("--algos", nargs="+", default=["grpo", "dapo", "scgrpo"], help="algorithms to compare")
+    ap.add_argument("--arms", nargs="+", choices=sorted(ARMS), default=None,
+                    help="arms to compare (default: the study's, else grpo dapo scgrpo)")
     ap.add_argument("--seeds", nargs="+", type=int, default=None, help="seeds, one run each (default: the study's)")
     ap.add_argument("--jobs", type=int, default=2, help="runs at a time (one thread each)")
     ap.add_argument("--out", default="", help="folder for the runs (default runs/compare-<study>)")
@@ -167,15 +209,16 @@ def main():
     args = ap.parse_args()
     study = STUDIES[args.study]
     out = args.out or os.path.join("runs", f"compare-{args.study}")
-    jobs = [(a, s) for a in args.algos for s in (args.seeds or study["seeds"])]
+    arms = args.arms or study.get("arms", ["grpo", "dapo", "scgrpo"])
+    jobs = [(a, s) for a in arms for s in (args.seeds or study["seeds"])]
     t0 = time.time()
     with ThreadPoolExecutor(args.jobs) as pool:
         results = list(pool.map(lambda j: run_one(*j, out, study["flags"] + args.extra), jobs))
-    print(table(results, args.algos, study["reach"], study["gain"]))
+    print(table(results, arms, study["reach"], study["gain"]))
     print(f"{len(jobs)} runs, {args.jobs} at a time: {(time.time() - t0) / 60:.1f} minutes (runs read back cost none)",
           file=sys.stderr)
     if args.plot:
-        plot(results, args.algos, args.plot, f"{args.study}: held-out greedy accuracy, mean and min..max over seeds")
+        plot(results, arms, args.plot, f"{args.study}: held-out greedy accuracy, mean and min..max over seeds")
         print(f"learning curves: {args.plot}", file=sys.stderr)
 
 
