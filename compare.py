@@ -50,15 +50,41 @@ ARMS = {
     "grpo": ("grpo", []), "dapo": ("dapo", []), "scgrpo": ("scgrpo", []),
     # no solve-none route: Eq. (5)'s advantages are 0, so those groups give no gradient, as in GRPO
     "scgrpo-nodiv": ("scgrpo", ["--alpha-div", "0"]),
-    # the learning rate x 1 / (mean f(D)), so that a partial group's mean per-token gradient
-    # coefficient w * A matches GRPO's A: the factor is measured in docs/ablation.md
-    "scgrpo-lr": ("scgrpo", ["--lr", "LR_SCALED"]),
+    # the learning rate x 1 / (mean f(D) of the scgrpo arm): see lr_matched
+    "scgrpo-lr": ("scgrpo", "lr_matched"),
 }
 
 
-def run_one(arm, seed, out_root, flags):
+def lr_matched(results, flags):
+    """scgrpo.py flags for the scgrpo-lr arm, from the scgrpo arm's finished runs. A token of an
+    answer with advantage A gets the gradient coefficient A from GRPO and f(D) * A from SC-GRPO
+    (Eq. 3), so SC-GRPO's mean per-token coefficient is mean f(D) times GRPO's: the arm runs at
+    lr / mean f(D), the mean of `weight_mean` (f(D) over the active tokens of a step) over every
+    step of every scgrpo run, the factor rounded to one decimal."""
+    import plumbing as P
+    w = [x for r in results if r["arm"] == "scgrpo" for x in r["weight_means"]]
+    if not w:
+        sys.exit("error: the scgrpo-lr arm needs the scgrpo arm's runs; add scgrpo to --arms")
+    lr = P.PRESETS[flags[flags.index("--model") + 1]]["lr"]
+    factor = round(1 / statistics.mean(w), 1)
+    print(f"scgrpo-lr: mean f(D) {statistics.mean(w):.4f} over {len(w)} steps -> lr {lr:g} x {factor}",
+          file=sys.stderr)
+    return ["--lr", f"{lr * factor:.3g}"]
+
+
+ROUTES = ["grpo", "partial", "fallback", "none", "skipped"]
+
+
+def route_counts(steps, B):
+    """Groups per route over a run's logged steps (B groups a step). metrics.jsonl counts the
+    SC-GRPO routes and the skipped groups; GRPO's and DAPO's updated groups are the rest."""
+    groups = {route: sum(m[f"groups_{route}"] for m in steps) for route in ROUTES[1:]}
+    return {"grpo": B * len(steps) - sum(groups.values()), **groups}
+
+
+def run_one(arm, seed, out_root, flags, done=()):
     algo, arm_flags = ARMS[arm]
-    flags = flags + arm_flags
+    flags = flags + (globals()[arm_flags](done, flags) if isinstance(arm_flags, str) else arm_flags)
     out = os.path.join(out_root, f"{arm}-s{seed}")
     metrics, stamp = os.path.join(out, "metrics.jsonl"), os.path.join(out, "fingerprint.txt")
     with open(os.path.join(HERE, "scgrpo.py"), "rb") as f:
@@ -85,9 +111,14 @@ def run_one(arm, seed, out_root, flags):
     kl_p75 = [m["kl_p75"] for m in lines if "kl_p75" in m]
     print(f"{arm:12s} seed {seed}: greedy {evals[0]['eval_greedy_acc']:.3f} -> {evals[-1]['eval_greedy_acc']:.3f}",
           file=sys.stderr)
-    return dict(arm=arm, seed=seed, curve=[(m["step"], m["eval_greedy_acc"]) for m in evals],
+    steps = [m for m in lines if "reward_mean" in m]
+    with open(os.path.join(out, "final", "run_config.json")) as f:
+        groups = route_counts(steps, json.load(f)["prompts_per_step"])
+    return dict(arm=arm, seed=seed, out=out, flags=flags, curve=[(m["step"], m["eval_greedy_acc"]) for m in evals],
                 avg=evals[-1]["eval_avg_at_k"], passk=evals[-1]["eval_pass_at_k"],
-                kl_p75=statistics.median(kl_p75) if kl_p75 else None,
+                wordings={w: evals[-1][f"greedy_{w}"] for w in WORDINGS if f"greedy_{w}" in evals[-1]},
+                kl_p75=statistics.median(kl_p75) if kl_p75 else None, groups=groups,
+                weight_means=[m["weight_mean"] for m in steps if "weight_mean" in m],
                 seconds=sum(m["seconds"] for m in lines if "seconds" in m))
 
 
@@ -115,6 +146,7 @@ def final_avg_and_pass(out, fingerprint, k=8):
 # learned carry over to another phrasing of the same question?
 WORDINGS = {"add": "Add {a} and {b}.",
             "story": "Sam has {a} marbles and finds {b} more. How many marbles does Sam have now?"}
+WORDING_LABELS = {"add": "'Add a and b.'", "story": "'Sam has a marbles...'"}
 
 
 def reworded(rows, template):
@@ -126,9 +158,9 @@ def reworded(rows, template):
     return out
 
 
-def evaluate_final(folder, k):
-    """scgrpo.evaluate on a saved final model, with the run's own config and questions; on the
-    addition task also the greedy accuracy on each of WORDINGS."""
+def evaluate_final(folder, k, base=False):
+    """scgrpo.evaluate on a saved final model (base: on the model the run started from), with the
+    run's own config and questions; on the addition task also the greedy accuracy on WORDINGS."""
     import dataclasses
 
     import torch
@@ -138,8 +170,12 @@ def evaluate_final(folder, k):
     import scgrpo as S
     with open(os.path.join(folder, "run_config.json")) as f:
         cfg = S.Config(**{**json.load(f), "eval_k": k})
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    tok = AutoTokenizer.from_pretrained(folder)
+    if base:
+        model, tok = P.load_model(cfg.model, cfg.seed)
+        model.eval()
+    else:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        tok = AutoTokenizer.from_pretrained(folder)
     test_rows, eos = P.load_task(cfg)[1][:cfg.eval_n], P.stop_ids(model, tok)
     res, _ = S.evaluate(model, tok, test_rows, cfg, eos)
     for name, template in (WORDINGS.items() if cfg.task == "addition" else ()):
@@ -159,19 +195,69 @@ def mean_std(xs, fmt=".3f"):
     return f"{statistics.mean(xs):{fmt}} +- {statistics.pstdev(xs):{fmt}}"
 
 
-def table(results, algos, reach, gain):
+def table(results, arms, reach, gain):
+    """Outcome per arm, mean +- std over seeds: accuracy at the end, how soon it rose, and the
+    greedy accuracy on the unseen wordings (when the task has them)."""
     target = f"{reach:.0%} greedy" if reach is not None else f"+{gain * 100:.0f} points"
-    rows = [f"| algorithm | final greedy acc | Avg@8 | Pass@8 | steps to {target} (runs that got there) | "
-            "median kl_p75 (nats) | train s/run |", "|---|---|---|---|---|---|---|"]
-    for a in algos:
+    words = [w for w in WORDINGS if any(w in r["wordings"] for r in results)]
+    rows = [f"| arm | final greedy acc | Avg@8 | Pass@8 | steps to {target} (runs that got there) | "
+            + "".join(f"greedy on {WORDING_LABELS[w]} | " for w in words) + "train s/run |",
+            "|---|---|---|---|---|" + "---|" * len(words) + "---|"]
+    for a in arms:
         rs = [r for r in results if r["arm"] == a]
         hit = [s for s in (steps_to(r["curve"], reach, gain) for r in rs) if s is not None]
         steps = f"{mean_std(hit, '.1f')} ({len(hit)}/{len(rs)})" if hit else f"never (0/{len(rs)})"
-        kl = [r["kl_p75"] for r in rs if r["kl_p75"] is not None]
         rows.append(f"| {a} | {mean_std([r['curve'][-1][1] for r in rs])} | {mean_std([r['avg'] for r in rs])} | "
-                    f"{mean_std([r['passk'] for r in rs])} | {steps} | {mean_std(kl) if kl else '-'} | "
-                    f"{statistics.mean(r['seconds'] for r in rs):.0f} |")
+                    f"{mean_std([r['passk'] for r in rs])} | {steps} | "
+                    + "".join(f"{mean_std([r['wordings'][w] for r in rs])} | " for w in words)
+                    + f"{statistics.mean(r['seconds'] for r in rs):.0f} |")
     return "\n".join(rows)
+
+
+def mechanics(results, arms):
+    """How each arm trained: the share of groups per route over all steps and seeds, the mean
+    f(D) and median kl_p75 (SC-GRPO), and how far the weights moved from the start."""
+    rows = ["| arm | groups: " + " / ".join(ROUTES) + " | mean f(D) | median kl_p75 (nats) | "
+            "lr | weight change ‖θ−θ₀‖/‖θ₀‖ |", "|---|---|---|---|---|---|"]
+    for a in arms:
+        rs = [r for r in results if r["arm"] == a]
+        total = sum(sum(r["groups"].values()) for r in rs)
+        share = " / ".join(f"{sum(r['groups'][k] for r in rs) / total:.0%}" for k in ROUTES)
+        w = [statistics.mean(r["weight_means"]) for r in rs if r["weight_means"]]
+        kl = [r["kl_p75"] for r in rs if r["kl_p75"] is not None]
+        moved = [r["moved"] for r in rs if r.get("moved") is not None]
+        fl = rs[0]["flags"]
+        lr = fl[fl.index("--lr") + 1] if "--lr" in fl else "preset"
+        rows.append(f"| {a} | {share} | {mean_std(w) if w else '-'} | {mean_std(kl) if kl else '-'} | {lr} | "
+                    f"{mean_std(moved, '.2e') if moved else '-'} |")
+    return "\n".join(rows)
+
+
+def weight_change(out):
+    """||theta_final - theta_0|| / ||theta_0|| of a run, against the model it started from (in
+    a subprocess with one thread, cached in moved.json)."""
+    path = os.path.join(out, "moved.json")
+    if not os.path.isfile(path):
+        code = ("import json, torch, plumbing as P\n"
+                "from transformers import AutoModelForCausalLM\n"
+                f"cfg = json.load(open({os.path.join(out, 'final', 'run_config.json')!r}))\n"
+                "a = P.load_model(cfg['model'], cfg['seed'])[0].state_dict()\n"
+                f"b = AutoModelForCausalLM.from_pretrained({os.path.join(out, 'final')!r}).state_dict()\n"
+                "d = sum(float((b[k].float() - a[k].float()).pow(2).sum()) for k in a if k in b)\n"
+                "n = sum(float(a[k].float().pow(2).sum()) for k in a if k in b)\n"
+                "print(json.dumps({'moved': (d / n) ** 0.5}))")
+        _subprocess_json(code, path, f"measuring the weight change of {out}")
+    with open(path) as f:
+        return json.load(f)["moved"]
+
+
+def _subprocess_json(code, path, what):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=HERE)
+    if r.returncode != 0:
+        sys.exit(f"error: {what} failed:\n{r.stderr[-2000:]}")
+    with open(path, "w") as f:
+        f.write(r.stdout.splitlines()[-1])
 
 
 def plot(results, algos, path, title):
@@ -196,6 +282,23 @@ def plot(results, algos, path, title):
     fig.savefig(path)
 
 
+def report(folder, results, arms, study, base):
+    """The study's tables and each run's small output files under `folder` (docs/ keeps them)."""
+    for r in results:
+        dst = os.path.join(folder, "runs", os.path.basename(r["out"]))
+        os.makedirs(dst, exist_ok=True)
+        for name in ("metrics.jsonl", "final_eval.json", "moved.json", "fingerprint.txt"):
+            if os.path.isfile(os.path.join(r["out"], name)):
+                shutil.copy(os.path.join(r["out"], name), dst)
+    with open(os.path.join(folder, "base_eval.json"), "w") as f:
+        json.dump(base, f)
+    cmd = " ".join(["python compare.py", *sys.argv[1:]])
+    with open(os.path.join(folder, "table.md"), "w") as f:
+        f.write(f"Written by `{cmd}` from the runs in runs/ beside this file.\n\n"
+                f"{table(results, arms, study['reach'], study['gain'])}\n\n{mechanics(results, arms)}\n\n"
+                "Base model (step 0), greedy: " + ", ".join(f"{k} {v:.3f}" for k, v in base.items()) + "\n")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--study", choices=sorted(STUDIES), default="tiny", help="model, task and seeds to compare")
@@ -205,16 +308,34 @@ def main():
     ap.add_argument("--jobs", type=int, default=2, help="runs at a time (one thread each)")
     ap.add_argument("--out", default="", help="folder for the runs (default runs/compare-<study>)")
     ap.add_argument("--plot", default="", help="also write the learning curves to this PNG (needs matplotlib)")
+    ap.add_argument("--report", default="", help="write the tables and each run's small files to this folder")
     ap.add_argument("extra", nargs="*", help="flags passed on to scgrpo.py (after --)")
     args = ap.parse_args()
     study = STUDIES[args.study]
     out = args.out or os.path.join("runs", f"compare-{args.study}")
     arms = args.arms or study.get("arms", ["grpo", "dapo", "scgrpo"])
-    jobs = [(a, s) for a in arms for s in (args.seeds or study["seeds"])]
-    t0 = time.time()
-    with ThreadPoolExecutor(args.jobs) as pool:
-        results = list(pool.map(lambda j: run_one(*j, out, study["flags"] + args.extra), jobs))
+    seeds = args.seeds or study["seeds"]
+    jobs = [(a, s) for a in arms for s in seeds]
+    t0, results, flags = time.time(), [], study["flags"] + args.extra
+    # arms whose flags are measured from other arms' runs (scgrpo-lr) run after them
+    for derived in (False, True):
+        todo = [j for j in jobs if isinstance(ARMS[j[0]][1], str) == derived]
+        with ThreadPoolExecutor(args.jobs) as pool:
+            results += list(pool.map(lambda j: run_one(*j, out, flags, results), todo))
+    results.sort(key=lambda r: jobs.index((r["arm"], r["seed"])))
+    if args.report:
+        for r in results:
+            r["moved"] = weight_change(r["out"])
+        path = os.path.join(out, "base_eval.json")
+        if not os.path.isfile(path):
+            first = os.path.join(results[0]["out"], "final")
+            _subprocess_json(f"import json, compare; print(json.dumps(compare.evaluate_final({first!r}, 0, base=True)))",
+                             path, "evaluating the base model")
+        with open(path) as f:
+            base = {k: v for k, v in json.load(f).items() if k.startswith(("eval_greedy", "greedy_"))}
+        report(args.report, results, arms, study, base)
     print(table(results, arms, study["reach"], study["gain"]))
+    print(mechanics(results, arms))
     print(f"{len(jobs)} runs, {args.jobs} at a time: {(time.time() - t0) / 60:.1f} minutes (runs read back cost none)",
           file=sys.stderr)
     if args.plot:

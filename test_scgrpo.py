@@ -1361,6 +1361,51 @@ def test_bench_builds_its_own_random_model_of_a_named_shape():
                        capture_output=True, text=True, timeout=300, cwd=HERE)
     assert r.returncode == 2 and "unknown shape" in r.stderr and "Traceback" not in r.stderr
 
+# ----------------------------------------------------------------------------- compare.py's studies
+
+def test_compare_rewords_every_held_out_sum_and_keeps_its_answer():
+    """The second wordings ask the same sums: every held-out addition question is reworded, with
+    its operands in place and its answer untouched (checked against a hand-written case too)."""
+    import compare
+    rows = P.make_addition()[1]
+    row = {"question": "What is 47 + 38?", "answer": "47 + 38 = 85\n#### 85"}
+    assert compare.reworded([row], compare.WORDINGS["add"]) == [{**row, "question": "Add 47 and 38."}]
+    for template in compare.WORDINGS.values():
+        new = compare.reworded(rows, template)
+        assert [r["answer"] for r in new] == [r["answer"] for r in rows]
+        for old, r in zip(rows, new):
+            a, b = re.findall(r"\d+", old["question"])
+            assert r["question"] != old["question"] and re.findall(r"\d+", r["question"]) == [a, b]
+
+
+def test_compare_study_derives_the_matched_lr_and_counts_routes_from_the_runs(tmp_path):
+    """A three-arm study on the tiny model: the scgrpo-lr arm runs at the preset lr x
+    round(1 / mean weight_mean, 1) of the scgrpo run (recomputed here from its metrics.jsonl), the
+    route shares in the report are the logged group counts, and the report keeps each run's log."""
+    out, rep = tmp_path / "runs", tmp_path / "report"
+    r = subprocess.run([sys.executable, os.path.join(HERE, "compare.py"), "--study", "tiny", "--arms", "grpo",
+                        "scgrpo", "scgrpo-lr", "--seeds", "0", "--out", str(out), "--report", str(rep),
+                        "--", "--steps", "6", "--eval-every", "3"],
+                       capture_output=True, text=True, timeout=300, cwd=HERE, env=ONE_THREAD)
+    assert r.returncode == 0, r.stderr[-2000:]
+    logs = {arm: read_metrics(str(out / f"{arm}-s0")) for arm in ("grpo", "scgrpo", "scgrpo-lr")}
+    steps = {arm: [m for m in ms if "reward_mean" in m] for arm, ms in logs.items()}
+    w = [m["weight_mean"] for m in steps["scgrpo"]]
+    with open(str(out / "scgrpo-lr-s0" / "final" / "run_config.json")) as f:
+        lr = json.load(f)["lr"]
+    assert lr == pytest.approx(P.PRESETS["tiny"]["lr"] * round(len(w) / sum(w), 1), rel=1e-3)
+    with open(str(rep / "table.md"), encoding="utf-8") as f:
+        table = f.read()
+    B = P.PRESETS["tiny"]["prompts_per_step"]
+    for arm in ("grpo", "scgrpo"):
+        n = {k: sum(m[f"groups_{k}"] for m in steps[arm]) for k in ("partial", "fallback", "none", "skipped")}
+        n = [B * 6 - sum(n.values()), n["partial"], n["fallback"], n["none"], n["skipped"]]
+        shares = " / ".join(f"{x / (B * 6):.0%}" for x in n)
+        assert f"| {arm} | {shares} |" in table
+    with open(str(rep / "runs" / "scgrpo-s0" / "metrics.jsonl")) as f:
+        assert [json.loads(line) for line in f] == logs["scgrpo"]
+
+
 # ----------------------------------------------------------------------------- SC-GRPO on TRL's GRPOTrainer
 
 
