@@ -1,16 +1,20 @@
 """
-Compare GRPO, DAPO and SC-GRPO with the same budget over several seeds: a Markdown table of
-mean +- std over seeds (final greedy accuracy, Avg@8, Pass@8, steps to a target accuracy, the
-median kl_p75 of SC-GRPO) and, with --plot, a PNG of held-out greedy accuracy against step.
+Compare GRPO, DAPO, SC-GRPO and variants of it ("arms": an algorithm plus scgrpo.py flags) with
+the same budget over several seeds: Markdown tables of mean +- std over seeds (final greedy
+accuracy, Avg@8, Pass@8, steps to a target accuracy; the share of groups per route, mean f(D),
+median kl_p75, how far the weights moved) and, with --plot, a PNG of held-out greedy accuracy
+against step.
 
     python compare.py                               # tiny / arith, 5 seeds: 8-12 minutes
     python compare.py --study smollm2 --plot runs/compare-smollm2/curve.png   # real model, 3 seeds: 49 min
+    python compare.py --study smollm2-ablation --plot docs/ablation/curve.png --report docs/ablation
     python compare.py --seeds 0 1 --jobs 1 -- --steps 500     # flags after -- go to scgrpo.py
 
 Each run is scgrpo.py in its own process with one thread, `--jobs` at a time, so the numbers
-repeat for the same seeds on the same machine. Runs land in <out>/<algo>-s<seed>; a finished
+repeat for the same seeds on the same machine. Runs land in <out>/<arm>-s<seed>; a finished
 run is read back instead of re-run, but only if scgrpo.py and the flags are unchanged since it
-ran (a fingerprint of both is saved with it).
+ran (a fingerprint of both is saved with it). --report copies each run's small files (logs,
+final evaluation) and the tables into a folder, for docs/.
 """
 import argparse
 import hashlib
@@ -59,8 +63,9 @@ def lr_matched(results, flags):
     """scgrpo.py flags for the scgrpo-lr arm, from the scgrpo arm's finished runs. A token of an
     answer with advantage A gets the gradient coefficient A from GRPO and f(D) * A from SC-GRPO
     (Eq. 3), so SC-GRPO's mean per-token coefficient is mean f(D) times GRPO's: the arm runs at
-    lr / mean f(D), the mean of `weight_mean` (f(D) over the active tokens of a step) over every
-    step of every scgrpo run, the factor rounded to one decimal."""
+    lr / mean f(D), the mean of `weight_mean` over every step of every scgrpo run, the factor
+    rounded to one decimal. (`weight_mean` is f(D) over a step's active tokens of partial and
+    solve-none answers together; metrics.jsonl keeps no partial-only mean.)"""
     import plumbing as P
     w = [x for r in results if r["arm"] == "scgrpo" for x in r["weight_means"]]
     if not w:
