@@ -124,6 +124,10 @@ def run_one(arm, seed, out_root, flags, done=()):
                 wordings={w: evals[-1][f"greedy_{w}"] for w in WORDINGS if f"greedy_{w}" in evals[-1]},
                 kl_p75=statistics.median(kl_p75) if kl_p75 else None, groups=groups,
                 weight_means=[m["weight_mean"] for m in steps if "weight_mean" in m],
+                # steps whose only updated groups were solve-none ones: Eq. (5) alone moved the model
+                eq5_only=sum(m["groups_none"] > 0 and m["groups_partial"] + m["groups_fallback"] == 0
+                             for m in steps),
+                n_steps=len(steps),
                 seconds=sum(m["seconds"] for m in lines if "seconds" in m))
 
 
@@ -223,7 +227,7 @@ def mechanics(results, arms):
     """How each arm trained: the share of groups per route over all steps and seeds, the mean
     f(D) and median kl_p75 (SC-GRPO), and how far the weights moved from the start."""
     rows = ["| arm | groups: " + " / ".join(ROUTES) + " | mean f(D) | median kl_p75 (nats) | "
-            "lr | weight change ‖θ−θ₀‖/‖θ₀‖ |", "|---|---|---|---|---|---|"]
+            "steps with only solve-none groups | lr | weight change ‖θ−θ₀‖/‖θ₀‖ |", "|---|---|---|---|---|---|---|"]
     for a in arms:
         rs = [r for r in results if r["arm"] == a]
         total = sum(sum(r["groups"].values()) for r in rs)
@@ -233,7 +237,8 @@ def mechanics(results, arms):
         moved = [r["moved"] for r in rs if r.get("moved") is not None]
         fl = rs[0]["flags"]
         lr = fl[fl.index("--lr") + 1] if "--lr" in fl else "preset"
-        rows.append(f"| {a} | {share} | {mean_std(w) if w else '-'} | {mean_std(kl) if kl else '-'} | {lr} | "
+        eq5 = f"{sum(r['eq5_only'] for r in rs)} of {sum(r['n_steps'] for r in rs)}"
+        rows.append(f"| {a} | {share} | {mean_std(w) if w else '-'} | {mean_std(kl) if kl else '-'} | {eq5} | {lr} | "
                     f"{mean_std(moved, '.2e') if moved else '-'} |")
     return "\n".join(rows)
 
