@@ -243,6 +243,23 @@ def mechanics(results, arms):
     return "\n".join(rows)
 
 
+def per_run(results):
+    """Every run on its own line: greedy accuracy at each evaluation, then the final numbers."""
+    steps = sorted({s for r in results for s, _ in r["curve"]})
+    words = [w for w in WORDINGS if any(w in r["wordings"] for r in results)]
+    rows = ["| arm | seed | " + " | ".join(f"step {s}" for s in steps) + " | Avg@8 | Pass@8 | "
+            + "".join(f"{WORDING_LABELS[w]} | " for w in words) + "weight change |",
+            "|---|---|" + "---|" * (len(steps) + 3 + len(words))]
+    for r in results:
+        curve = dict(r["curve"])
+        moved = f"{r['moved']:.2e}" if r.get("moved") is not None else "-"
+        rows.append(f"| {r['arm']} | {r['seed']} | " + " | ".join(f"{curve[s]:.2f}" if s in curve else "-"
+                                                                  for s in steps)
+                    + f" | {r['avg']:.3f} | {r['passk']:.3f} | " + "".join(f"{r['wordings'][w]:.2f} | " for w in words)
+                    + f"{moved} |")
+    return "\n".join(rows)
+
+
 def weight_change(out):
     """||theta_final - theta_0|| / ||theta_0|| of a run, against the model it started from (in
     a subprocess with one thread, cached in moved.json)."""
@@ -306,6 +323,8 @@ def report(folder, results, arms, study, base):
     with open(os.path.join(folder, "table.md"), "w") as f:
         f.write(f"Written by `{cmd}` from the runs in runs/ beside this file.\n\n"
                 f"{table(results, arms, study['reach'], study['gain'])}\n\n{mechanics(results, arms)}\n\n"
+                f"Each run (greedy accuracy on the held-out questions at each evaluated step):\n\n"
+                f"{per_run(results)}\n\n"
                 "Base model (step 0), greedy: " + ", ".join(f"{k} {v:.3f}" for k, v in base.items()) + "\n")
 
 
