@@ -1406,6 +1406,37 @@ def test_compare_study_derives_the_matched_lr_and_counts_routes_from_the_runs(tm
         assert [json.loads(line) for line in f] == logs["scgrpo"]
 
 
+def test_eq5_length_tool_reports_the_correlations_of_its_own_pairs(tmp_path):
+    """tools/eq5_length.py on the tiny model: its Pearson and Spearman correlations equal a naive
+    computation from the (advantage, length) pairs it saves, with tied ranks averaged (a
+    hand-ranked case as well), and only solve-none answers (|A| <= alpha * sqrt(G - 2)) appear."""
+    sys.path.insert(0, os.path.join(HERE, "tools"))
+    import eq5_length
+    assert eq5_length.ranks([3, 1, 3, 2]) == [2.5, 0.0, 2.5, 1.0]
+    out = str(tmp_path / "eq5.json")
+    r = subprocess.run([sys.executable, os.path.join(HERE, "tools", "eq5_length.py"), "--model", "tiny", "--task",
+                        "arith", "--batches", "2", "--out", out], capture_output=True, text=True, timeout=300,
+                       cwd=HERE, env=ONE_THREAD)
+    assert r.returncode == 0, r.stderr[-2000:]
+    with open(out) as f:
+        res = json.load(f)
+    adv, n = [a for a, _ in res["pairs"]], [x for _, x in res["pairs"]]
+
+    def pearson(x, y):
+        mx, my = sum(x) / len(x), sum(y) / len(y)
+        cov = sum((a - mx) * (b - my) for a, b in zip(x, y))
+        return cov / math.sqrt(sum((a - mx) ** 2 for a in x) * sum((b - my) ** 2 for b in y))
+
+    def naive_ranks(xs):  # rank = number of smaller values + (number of equal values - 1) / 2
+        return [sum(y < x for y in xs) + (sum(y == x for y in xs) - 1) / 2 for x in xs]
+
+    assert res["answers"] == len(adv) > 0 and res["n_up"] == sum(a > 0 for a in adv)
+    assert res["pearson"] == pytest.approx(pearson(adv, n), abs=1e-9)
+    assert res["spearman"] == pytest.approx(pearson(naive_ranks(adv), naive_ranks(n)), abs=1e-9)
+    G = P.PRESETS["tiny"]["group_size"]
+    assert max(abs(a) for a in adv) <= 0.1 * math.sqrt(G - 2) + 1e-6  # alpha * the largest z-score of G-1
+
+
 # ----------------------------------------------------------------------------- SC-GRPO on TRL's GRPOTrainer
 
 
