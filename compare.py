@@ -52,9 +52,11 @@ STUDIES = {
 # An arm is an algorithm plus the scgrpo.py flags that change it; each algorithm is an arm of its own.
 ARMS = {
     "grpo": ("grpo", []), "dapo": ("dapo", []), "scgrpo": ("scgrpo", []),
-    # no solve-none route: Eq. (5)'s advantages are 0, so those groups give no gradient, as in GRPO
+    # solve-none groups get advantage 0 (Eq. 5 scaled by 0): still routed and scored by the
+    # teacher, they give no gradient, as GRPO's skipped groups
     "scgrpo-nodiv": ("scgrpo", ["--alpha-div", "0"]),
-    # the learning rate x 1 / (mean f(D) of the scgrpo arm): see lr_matched
+    # the learning rate x 1 / (mean f(D) of the scgrpo arm): measured from that arm's runs, so this
+    # arm runs after the others (a function name in place of flags)
     "scgrpo-lr": ("scgrpo", "lr_matched"),
 }
 
@@ -63,33 +65,49 @@ def lr_matched(results, flags):
     """scgrpo.py flags for the scgrpo-lr arm, from the scgrpo arm's finished runs. A token of an
     answer with advantage A gets the gradient coefficient A from GRPO and f(D) * A from SC-GRPO
     (Eq. 3), so SC-GRPO's mean per-token coefficient is mean f(D) times GRPO's: the arm runs at
-    lr / mean f(D), the mean of `weight_mean` over every step of every scgrpo run, the factor
-    rounded to one decimal. (`weight_mean` is f(D) over a step's active tokens of partial and
-    solve-none answers together; metrics.jsonl keeps no partial-only mean.)"""
+    lr / mean f(D), the mean of `weight_mean` over the steps of the scgrpo runs that logged one
+    (a step whose groups all fall back or skip logs none), the factor rounded to one decimal.
+    (`weight_mean` is f(D) over a step's active tokens of partial and solve-none answers
+    together; metrics.jsonl keeps no partial-only mean.) The lr it scales is the last --lr in
+    `flags`, else the model's preset."""
     import plumbing as P
     w = [x for r in results if r["arm"] == "scgrpo" for x in r["weight_means"]]
     if not w:
-        sys.exit("error: the scgrpo-lr arm needs the scgrpo arm's runs; add scgrpo to --arms")
-    lr = P.PRESETS[flags[flags.index("--model") + 1]]["lr"]
+        sys.exit("error: the scgrpo arm's runs logged no weight_mean, which the scgrpo-lr arm needs")
+    lr = float(last_flag(flags, "--lr") or P.PRESETS.get(last_flag(flags, "--model"), P.PRESETS["hub"])["lr"])
     factor = round(1 / statistics.mean(w), 1)
     print(f"scgrpo-lr: mean f(D) {statistics.mean(w):.4f} over {len(w)} steps -> lr {lr:g} x {factor}",
           file=sys.stderr)
     return ["--lr", f"{lr * factor:.3g}"]
 
 
+def last_flag(flags, name):
+    """The value of the last `name` in a scgrpo.py flag list (the one that wins), or None."""
+    at = [i for i, f in enumerate(flags) if f == name]
+    return flags[at[-1] + 1] if at else None
+
+
 ROUTES = ["grpo", "partial", "fallback", "none", "skipped"]
 
 
-def route_counts(steps, B):
-    """Groups per route over a run's logged steps (B groups a step). metrics.jsonl counts the
-    SC-GRPO routes and the skipped groups; GRPO's and DAPO's updated groups are the rest."""
+def route_counts(steps, G, algo):
+    """Groups per route over a run's logged steps. metrics.jsonl counts SC-GRPO's routes and the
+    skipped groups; GRPO's and DAPO's updated groups are their answers_updated / G (DAPO's
+    dropped groups never reach a route)."""
     groups = {route: sum(m[f"groups_{route}"] for m in steps) for route in ROUTES[1:]}
-    return {"grpo": B * len(steps) - sum(groups.values()), **groups}
+    return {"grpo": 0 if algo == "scgrpo" else sum(m["answers_updated"] for m in steps) // G, **groups}
 
 
-def run_one(arm, seed, out_root, flags, done=()):
-    algo, arm_flags = ARMS[arm]
-    flags = flags + (globals()[arm_flags](done, flags) if isinstance(arm_flags, str) else arm_flags)
+def die(msg):
+    """Bad input: one line and exit code 2."""
+    print(f"error: {msg}", file=sys.stderr)
+    sys.exit(2)
+
+
+def run_one(arm, seed, out_root, flags):
+    """One run of scgrpo.py (or its saved results) -> a dict of what the tables need. flags: the
+    study's and the arm's scgrpo.py flags."""
+    algo = ARMS[arm][0]
     out = os.path.join(out_root, f"{arm}-s{seed}")
     metrics, stamp = os.path.join(out, "metrics.jsonl"), os.path.join(out, "fingerprint.txt")
     with open(os.path.join(HERE, "scgrpo.py"), "rb") as f:
@@ -111,44 +129,37 @@ def run_one(arm, seed, out_root, flags, done=()):
     with open(metrics) as f:
         lines = [json.loads(line) for line in f]
     evals = [m for m in lines if "eval_greedy_acc" in m]
-    if "eval_avg_at_k" not in evals[-1]:
-        evals[-1].update(final_avg_and_pass(out, fingerprint))
+    wanted = ["eval_avg_at_k"] + [f"greedy_{w}" for w in WORDINGS if last_flag(flags, "--task") == "addition"]
+    if any(k not in evals[-1] for k in wanted):  # evaluated once more, on the final model
+        extra = final_eval(out, fingerprint)
+        evals[-1].update({k: v for k, v in extra.items() if k not in evals[-1]})
     kl_p75 = [m["kl_p75"] for m in lines if "kl_p75" in m]
     print(f"{arm:12s} seed {seed}: greedy {evals[0]['eval_greedy_acc']:.3f} -> {evals[-1]['eval_greedy_acc']:.3f}",
           file=sys.stderr)
     steps = [m for m in lines if "reward_mean" in m]
     with open(os.path.join(out, "final", "run_config.json")) as f:
-        groups = route_counts(steps, json.load(f)["prompts_per_step"])
-    return dict(arm=arm, seed=seed, out=out, flags=flags, curve=[(m["step"], m["eval_greedy_acc"]) for m in evals],
+        groups = route_counts(steps, json.load(f)["group_size"], algo)
+    return dict(arm=arm, seed=seed, out=out, flags=flags, fingerprint=fingerprint, curve=[(m["step"], m["eval_greedy_acc"]) for m in evals],
                 avg=evals[-1]["eval_avg_at_k"], passk=evals[-1]["eval_pass_at_k"],
                 wordings={w: evals[-1][f"greedy_{w}"] for w in WORDINGS if f"greedy_{w}" in evals[-1]},
                 kl_p75=statistics.median(kl_p75) if kl_p75 else None, groups=groups,
                 weight_means=[m["weight_mean"] for m in steps if "weight_mean" in m],
-                # steps whose only updated groups were solve-none ones: Eq. (5) alone moved the model
+                # steps whose only routed groups were solve-none ones (SC-GRPO: Eq. 5 alone gave
+                # the gradient; with --alpha-div 0 there was none)
                 eq5_only=sum(m["groups_none"] > 0 and m["groups_partial"] + m["groups_fallback"] == 0
                              for m in steps),
                 n_steps=len(steps),
                 seconds=sum(m["seconds"] for m in lines if "seconds" in m))
 
 
-def final_avg_and_pass(out, fingerprint, k=8):
-    """Avg@k and Pass@k of a run's final model on its evaluation questions, in a subprocess with
-    one thread (cached in final_eval.json beside the fingerprint it belongs to)."""
+def final_eval(out, fingerprint, k=8):
+    """evaluate_final of a run's final model (Avg@k, Pass@k, the wordings), in a subprocess
+    with one thread (cached in final_eval.json beside the fingerprint it belongs to)."""
     path = os.path.join(out, "final_eval.json")
-    if os.path.isfile(path):
-        with open(path) as f:
-            saved = json.load(f)
-        if saved.pop("fingerprint") == fingerprint:
-            return saved
-    code = f"import json, compare; print(json.dumps(compare.evaluate_final({os.path.join(out, 'final')!r}, {k})))"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=HERE)
-    if r.returncode != 0:
-        sys.exit(f"error: evaluating {out}/final failed:\n{r.stderr[-2000:]}")
-    res = json.loads(r.stdout.splitlines()[-1])
-    with open(path, "w") as f:
-        json.dump({**res, "fingerprint": fingerprint}, f)
-    return res
+    if cached(path, fingerprint) is None:
+        code = f"import json, compare; print(json.dumps(compare.evaluate_final({os.path.join(out, 'final')!r}, {k})))"
+        _subprocess_json(code, path, fingerprint, f"evaluating {out}/final")
+    return cached(path, fingerprint)
 
 
 # Second wordings of the addition task's held-out sums, never seen in training: does what a run
@@ -218,7 +229,8 @@ def table(results, arms, reach, gain):
         steps = f"{mean_std(hit, '.1f')} ({len(hit)}/{len(rs)})" if hit else f"never (0/{len(rs)})"
         rows.append(f"| {a} | {mean_std([r['curve'][-1][1] for r in rs])} | {mean_std([r['avg'] for r in rs])} | "
                     f"{mean_std([r['passk'] for r in rs])} | {steps} | "
-                    + "".join(f"{mean_std([r['wordings'][w] for r in rs])} | " for w in words)
+                    + "".join(f"{mean_std([r['wordings'][w] for r in rs if w in r['wordings']])} | "
+                              for w in words)
                     + f"{statistics.mean(r['seconds'] for r in rs):.0f} |")
     return "\n".join(rows)
 
@@ -235,8 +247,7 @@ def mechanics(results, arms):
         w = [statistics.mean(r["weight_means"]) for r in rs if r["weight_means"]]
         kl = [r["kl_p75"] for r in rs if r["kl_p75"] is not None]
         moved = [r["moved"] for r in rs if r.get("moved") is not None]
-        fl = rs[0]["flags"]
-        lr = fl[fl.index("--lr") + 1] if "--lr" in fl else "preset"
+        lr = last_flag(rs[0]["flags"], "--lr") or "preset"
         eq5 = f"{sum(r['eq5_only'] for r in rs)} of {sum(r['n_steps'] for r in rs)}"
         rows.append(f"| {a} | {share} | {mean_std(w) if w else '-'} | {mean_std(kl) if kl else '-'} | {eq5} | {lr} | "
                     f"{mean_std(moved, '.2e') if moved else '-'} |")
@@ -255,16 +266,26 @@ def per_run(results):
         moved = f"{r['moved']:.2e}" if r.get("moved") is not None else "-"
         rows.append(f"| {r['arm']} | {r['seed']} | " + " | ".join(f"{curve[s]:.2f}" if s in curve else "-"
                                                                   for s in steps)
-                    + f" | {r['avg']:.3f} | {r['passk']:.3f} | " + "".join(f"{r['wordings'][w]:.2f} | " for w in words)
+                    + f" | {r['avg']:.3f} | {r['passk']:.3f} | " + "".join(f"{r['wordings'].get(w, float('nan')):.2f} | " for w in words)
                     + f"{moved} |")
     return "\n".join(rows)
 
 
-def weight_change(out):
+def cached(path, fingerprint):
+    """The JSON saved at `path` if it belongs to this fingerprint (run code and flags), else None."""
+    if os.path.isfile(path):
+        with open(path) as f:
+            saved = json.load(f)
+        if saved.pop("fingerprint", None) == fingerprint:
+            return saved
+    return None
+
+
+def weight_change(out, fingerprint):
     """||theta_final - theta_0|| / ||theta_0|| of a run, against the model it started from (in
     a subprocess with one thread, cached in moved.json)."""
     path = os.path.join(out, "moved.json")
-    if not os.path.isfile(path):
+    if cached(path, fingerprint) is None:
         code = ("import json, torch, plumbing as P\n"
                 "from transformers import AutoModelForCausalLM\n"
                 f"cfg = json.load(open({os.path.join(out, 'final', 'run_config.json')!r}))\n"
@@ -273,18 +294,19 @@ def weight_change(out):
                 "d = sum(float((b[k].float() - a[k].float()).pow(2).sum()) for k in a if k in b)\n"
                 "n = sum(float(a[k].float().pow(2).sum()) for k in a if k in b)\n"
                 "print(json.dumps({'moved': (d / n) ** 0.5}))")
-        _subprocess_json(code, path, f"measuring the weight change of {out}")
-    with open(path) as f:
-        return json.load(f)["moved"]
+        _subprocess_json(code, path, fingerprint, f"measuring the weight change of {out}")
+    return cached(path, fingerprint)["moved"]
 
 
-def _subprocess_json(code, path, what):
+def _subprocess_json(code, path, fingerprint, what):
+    """Run `code` in a subprocess with one thread; save the JSON it prints last, with the
+    fingerprint it belongs to, to `path`."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=HERE)
     if r.returncode != 0:
         sys.exit(f"error: {what} failed:\n{r.stderr[-2000:]}")
     with open(path, "w") as f:
-        f.write(r.stdout.splitlines()[-1])
+        json.dump({**json.loads(r.stdout.splitlines()[-1]), "fingerprint": fingerprint}, f)
 
 
 def plot(results, algos, path, title):
@@ -309,12 +331,12 @@ def plot(results, algos, path, title):
     fig.savefig(path)
 
 
-def report(folder, results, arms, study, base):
+def report(folder, results, arms, study, base, first):
     """The study's tables and each run's small output files under `folder` (docs/ keeps them)."""
     for r in results:
         dst = os.path.join(folder, "runs", os.path.basename(r["out"]))
         os.makedirs(dst, exist_ok=True)
-        for name in ("metrics.jsonl", "final_eval.json", "moved.json", "fingerprint.txt"):
+        for name in ("metrics.jsonl", "final_eval.json", "moved.json", "base_eval.json", "fingerprint.txt"):
             if os.path.isfile(os.path.join(r["out"], name)):
                 shutil.copy(os.path.join(r["out"], name), dst)
     with open(os.path.join(folder, "base_eval.json"), "w") as f:
@@ -325,7 +347,8 @@ def report(folder, results, arms, study, base):
                 f"{table(results, arms, study['reach'], study['gain'])}\n\n{mechanics(results, arms)}\n\n"
                 f"Each run (greedy accuracy on the held-out questions at each evaluated step):\n\n"
                 f"{per_run(results)}\n\n"
-                "Base model (step 0), greedy: " + ", ".join(f"{k} {v:.3f}" for k, v in base.items()) + "\n")
+                f"Mean +- std over seeds (population std). The model {first['arm']} seed {first['seed']} started "
+                "from, greedy: " + ", ".join(f"{k} {v:.3f}" for k, v in base.items()) + "\n")
 
 
 def main():
@@ -345,24 +368,33 @@ def main():
     arms = args.arms or study.get("arms", ["grpo", "dapo", "scgrpo"])
     seeds = args.seeds or study["seeds"]
     jobs = [(a, s) for a in arms for s in seeds]
-    t0, results, flags = time.time(), [], study["flags"] + args.extra
+    flags = study["flags"] + args.extra
+    for name in ("--algo", "--seed", "--out"):
+        if name in args.extra:
+            die(f"{name} after -- would override what each run's arm, seed or folder sets; use --arms, "
+                "--seeds or --out of compare.py")
+    if "scgrpo-lr" in arms and "scgrpo" not in arms:
+        die("the scgrpo-lr arm's learning rate is measured from the scgrpo arm's runs; add scgrpo to --arms")
+    t0, results = time.time(), []
     # arms whose flags are measured from other arms' runs (scgrpo-lr) run after them
     for derived in (False, True):
-        todo = [j for j in jobs if isinstance(ARMS[j[0]][1], str) == derived]
+        arm_flags = {a: globals()[ARMS[a][1]](results, flags) if derived else ARMS[a][1]
+                     for a in arms if isinstance(ARMS[a][1], str) == derived}
         with ThreadPoolExecutor(args.jobs) as pool:
-            results += list(pool.map(lambda j: run_one(*j, out, flags, results), todo))
+            results += list(pool.map(lambda j: run_one(*j, out, flags + arm_flags[j[0]]),
+                                     [j for j in jobs if j[0] in arm_flags]))
     results.sort(key=lambda r: jobs.index((r["arm"], r["seed"])))
     if args.report:
         for r in results:
-            r["moved"] = weight_change(r["out"])
-        path = os.path.join(out, "base_eval.json")
-        if not os.path.isfile(path):
-            first = os.path.join(results[0]["out"], "final")
-            _subprocess_json(f"import json, compare; print(json.dumps(compare.evaluate_final({first!r}, 0, base=True)))",
-                             path, "evaluating the base model")
-        with open(path) as f:
-            base = {k: v for k, v in json.load(f).items() if k.startswith(("eval_greedy", "greedy_"))}
-        report(args.report, results, arms, study, base)
+            r["moved"] = weight_change(r["out"], r["fingerprint"])
+        # the model the first run started from (with --model tiny, seed-dependent), evaluated greedily
+        first, path = results[0], os.path.join(results[0]["out"], "base_eval.json")
+        if cached(path, first["fingerprint"]) is None:
+            final = os.path.join(first["out"], "final")
+            _subprocess_json(f"import json, compare; print(json.dumps(compare.evaluate_final({final!r}, 0, base=True)))",
+                             path, first["fingerprint"], "evaluating the base model")
+        base = {k: v for k, v in cached(path, first["fingerprint"]).items() if k.startswith(("eval_greedy", "greedy_"))}
+        report(args.report, results, arms, study, base, first)
     print(table(results, arms, study["reach"], study["gain"]))
     print(mechanics(results, arms))
     print(f"{len(jobs)} runs, {args.jobs} at a time: {(time.time() - t0) / 60:.1f} minutes (runs read back cost none)",

@@ -1,11 +1,13 @@
 """
 Does Eq. (5) favour short answers? The diversity advantage of a solve-none group scores each
-answer by its mean f(D) over its first L_i = min(|o_i|, |o_r|) tokens (note 5). This samples
-training batches from the untrained model exactly as a first SC-GRPO step does, runs
-scgrpo.self_condition on them, and relates each solve-none answer's advantage to its length.
+answer by its mean f(D) over its first L_i = min(|o_i|, |o_r|) tokens (note 5 of scgrpo.py's
+docstring). This samples batches of training questions (in file order) from the untrained
+model, on the CPU in fp32, routes and scores them with scgrpo.py's own functions as a training
+step does (self_condition), and relates each solve-none answer's advantage alpha * A_div to its
+length |o_i| (tokens, EOS included).
 
-    python tools/eq5_length.py                          # SmolLM2-135M on addition, 16 batches
-    python tools/eq5_length.py --batches 4 --out docs/ablation/eq5_length.json
+    python tools/eq5_length.py                          # SmolLM2-135M on addition, 16 batches: ~7 min
+    python tools/eq5_length.py --batches 16 --out docs/ablation/eq5_length.json   # what docs/ holds
 
 It prints the correlation of advantage and length, and the mean length of the answers that
 Eq. (5) pushes up (advantage > 0) against those it pushes down; --out keeps every pair as JSON.
@@ -54,7 +56,10 @@ def main():
     model.eval()
     train_rows, eos = P.load_task(cfg)[0], P.stop_ids(model, tok)
     rng, gen = random.Random(cfg.seed), torch.Generator().manual_seed(cfg.seed)
-    B, pairs, groups = cfg.prompts_per_step, [], 0
+    B, pairs, none_groups = cfg.prompts_per_step, [], 0
+    if args.batches * B > len(train_rows):
+        P.die(f"--batches {args.batches} needs {args.batches * B} training questions; {cfg.task} has "
+              f"{len(train_rows)}: use --batches {len(train_rows) // B} or fewer")
     for k in tqdm(range(args.batches), desc="batches"):
         ro = S.rollout(model, tok, cfg, train_rows[k * B:(k + 1) * B], gen, eos)
         routes = S.route_groups(ro.reward, "scgrpo")
@@ -62,17 +67,21 @@ def main():
         if not bool((batch.ref >= 0).any()):
             continue
         S.self_condition(model, tok, cfg, ro, batch)
-        groups += routes.count("none")
+        none_groups += routes.count("none")
         lengths = ro.lengths.view(-1)
         pairs += [(float(batch.adv[m]), int(lengths[batch.row[m]])) for m, route in enumerate(batch.route)
                   if route == "none"]
+    if len(pairs) < 2 or len({a for a, _ in pairs}) < 2:
+        P.die(f"only {len(pairs)} solve-none answers with distinct advantages in {args.batches} batches; "
+              "use more --batches")
     adv, length = [a for a, _ in pairs], [n for _, n in pairs]
     up = [n for a, n in pairs if a > 0]
     down = [n for a, n in pairs if a < 0]
-    res = dict(model=cfg.model, task=cfg.task, seed=cfg.seed, batches=args.batches, none_groups=groups,
+    res = dict(model=cfg.model, task=cfg.task, seed=cfg.seed, batches=args.batches, none_groups=none_groups,
                answers=len(pairs), pearson=statistics.correlation(adv, length),
                spearman=statistics.correlation(ranks(adv), ranks(length)),
-               mean_len_pushed_up=statistics.mean(up), mean_len_pushed_down=statistics.mean(down),
+               mean_len_pushed_up=statistics.mean(up) if up else None,
+               mean_len_pushed_down=statistics.mean(down) if down else None,
                n_up=len(up), n_down=len(down))
     print(json.dumps(res, indent=1))
     if args.out:

@@ -107,9 +107,9 @@ MUTANTS = [
      ["test_trl_trainer_equals_the_plain_reference_step"]),
     ("the scgrpo-lr arm's lr x mean f(D) instead of / mean f(D)", "compare.py",
      "factor = round(1 / statistics.mean(w), 1)", "factor = round(statistics.mean(w), 1)", []),
-    ("GRPO's updated groups counted without the skipped ones", "compare.py",
-     'return {"grpo": B * len(steps) - sum(groups.values()), **groups}',
-     'return {"grpo": B * len(steps), **groups}', []),
+    ("GRPO's updated groups counted as answers, not groups", "compare.py",
+     'sum(m["answers_updated"] for m in steps) // G, **groups}',
+     'sum(m["answers_updated"] for m in steps), **groups}', []),
 ]
 
 
