@@ -323,7 +323,11 @@ def plot(results, algos, path, title):
         line, = ax.plot(steps, [statistics.mean(x) for x in accs], marker="o", label=f"{a} ({len(curves)} seeds)")
         ax.fill_between(steps, [min(x) for x in accs], [max(x) for x in accs], color=line.get_color(), alpha=0.15)
     ax.set(xlabel="training step", ylabel="held-out greedy accuracy", title=title, ylim=(0, 1))
-    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    evaluated = sorted({s for r in results for s, _ in r["curve"]})
+    if len(evaluated) <= 12:  # a tick at each evaluated step, else integer ticks
+        ax.set_xticks(evaluated)
+    else:
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     ax.grid(alpha=0.3)
     ax.legend(loc="upper left")
     fig.tight_layout()
@@ -334,7 +338,7 @@ def plot(results, algos, path, title):
 def report(folder, results, arms, study, base, first):
     """The study's tables and each run's small output files under `folder` (docs/ keeps them)."""
     for r in results:
-        dst = os.path.join(folder, "runs", os.path.basename(r["out"]))
+        dst = os.path.join(folder, "run_logs", os.path.basename(r["out"]))
         os.makedirs(dst, exist_ok=True)
         for name in ("metrics.jsonl", "final_eval.json", "moved.json", "base_eval.json", "fingerprint.txt"):
             if os.path.isfile(os.path.join(r["out"], name)):
@@ -343,7 +347,7 @@ def report(folder, results, arms, study, base, first):
         json.dump(base, f)
     cmd = " ".join(["python compare.py", *sys.argv[1:]])
     with open(os.path.join(folder, "table.md"), "w") as f:
-        f.write(f"Written by `{cmd}` from the runs in runs/ beside this file.\n\n"
+        f.write(f"Written by `{cmd}`; each run's logs are in run_logs/ beside this file.\n\n"
                 f"{table(results, arms, study['reach'], study['gain'])}\n\n{mechanics(results, arms)}\n\n"
                 f"Each run (greedy accuracy on the held-out questions at each evaluated step):\n\n"
                 f"{per_run(results)}\n\n"
@@ -400,7 +404,7 @@ def main():
     print(f"{len(jobs)} runs, {args.jobs} at a time: {(time.time() - t0) / 60:.1f} minutes (runs read back cost none)",
           file=sys.stderr)
     if args.plot:
-        plot(results, arms, args.plot, f"{args.study}: held-out greedy accuracy, mean and min..max over seeds")
+        plot(results, arms, args.plot, f"{args.study}: held-out greedy accuracy (mean; min..max shaded)")
         print(f"learning curves: {args.plot}", file=sys.stderr)
 
 

@@ -1402,7 +1402,7 @@ def test_compare_study_derives_the_matched_lr_and_counts_routes_from_the_runs(tm
         n = [B * 6 - sum(n.values()), n["partial"], n["fallback"], n["none"], n["skipped"]]
         shares = " / ".join(f"{x / (B * 6):.0%}" for x in n)
         assert f"| {arm} | {shares} |" in table
-    with open(str(rep / "runs" / "scgrpo-s0" / "metrics.jsonl")) as f:
+    with open(str(rep / "run_logs" / "scgrpo-s0" / "metrics.jsonl")) as f:
         assert [json.loads(line) for line in f] == logs["scgrpo"]
 
 
