@@ -248,7 +248,8 @@ def mechanics(results, arms):
         kl = [r["kl_p75"] for r in rs if r["kl_p75"] is not None]
         moved = [r["moved"] for r in rs if r.get("moved") is not None]
         lr = last_flag(rs[0]["flags"], "--lr") or "preset"
-        eq5 = f"{sum(r['eq5_only'] for r in rs)} of {sum(r['n_steps'] for r in rs)}"
+        # GRPO and DAPO route no group 'none' (their all-wrong groups are skipped): no such steps
+        eq5 = f"{sum(r['eq5_only'] for r in rs)} of {sum(r['n_steps'] for r in rs)}" if ARMS[a][0] == "scgrpo" else "-"
         rows.append(f"| {a} | {share} | {mean_std(w) if w else '-'} | {mean_std(kl) if kl else '-'} | {eq5} | {lr} | "
                     f"{mean_std(moved, '.2e') if moved else '-'} |")
     return "\n".join(rows)
