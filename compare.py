@@ -139,7 +139,8 @@ def run_one(arm, seed, out_root, flags):
     steps = [m for m in lines if "reward_mean" in m]
     with open(os.path.join(out, "final", "run_config.json")) as f:
         groups = route_counts(steps, json.load(f)["group_size"], algo)
-    return dict(arm=arm, seed=seed, out=out, flags=flags, fingerprint=fingerprint, curve=[(m["step"], m["eval_greedy_acc"]) for m in evals],
+    return dict(arm=arm, seed=seed, out=out, flags=flags, fingerprint=fingerprint,
+                curve=[(m["step"], m["eval_greedy_acc"]) for m in evals],
                 avg=evals[-1]["eval_avg_at_k"], passk=evals[-1]["eval_pass_at_k"],
                 wordings={w: evals[-1][f"greedy_{w}"] for w in WORDINGS if f"greedy_{w}" in evals[-1]},
                 kl_p75=statistics.median(kl_p75) if kl_p75 else None, groups=groups,
@@ -239,7 +240,8 @@ def mechanics(results, arms):
     """How each arm trained: the share of groups per route over all steps and seeds, the mean
     f(D) and median kl_p75 (SC-GRPO), and how far the weights moved from the start."""
     rows = ["| arm | groups: " + " / ".join(ROUTES) + " | mean f(D) | median kl_p75 (nats) | "
-            "steps with only solve-none groups | lr | weight change ‖θ−θ₀‖/‖θ₀‖ |", "|---|---|---|---|---|---|---|"]
+            "steps with only solve-none groups | lr | weight change ‖θ−θ₀‖/‖θ₀‖ |",
+            "|---|---|---|---|---|---|---|"]
     for a in arms:
         rs = [r for r in results if r["arm"] == a]
         total = sum(sum(r["groups"].values()) for r in rs)
@@ -267,7 +269,8 @@ def per_run(results):
         moved = f"{r['moved']:.2e}" if r.get("moved") is not None else "-"
         rows.append(f"| {r['arm']} | {r['seed']} | " + " | ".join(f"{curve[s]:.2f}" if s in curve else "-"
                                                                   for s in steps)
-                    + f" | {r['avg']:.3f} | {r['passk']:.3f} | " + "".join(f"{r['wordings'].get(w, float('nan')):.2f} | " for w in words)
+                    + f" | {r['avg']:.3f} | {r['passk']:.3f} | "
+                    + "".join(f"{r['wordings'].get(w, float('nan')):.2f} | " for w in words)
                     + f"{moved} |")
     return "\n".join(rows)
 
@@ -396,8 +399,8 @@ def main():
         first, path = results[0], os.path.join(results[0]["out"], "base_eval.json")
         if cached(path, first["fingerprint"]) is None:
             final = os.path.join(first["out"], "final")
-            _subprocess_json(f"import json, compare; print(json.dumps(compare.evaluate_final({final!r}, 0, base=True)))",
-                             path, first["fingerprint"], "evaluating the base model")
+            code = f"import json, compare; print(json.dumps(compare.evaluate_final({final!r}, 0, base=True)))"
+            _subprocess_json(code, path, first["fingerprint"], "evaluating the base model")
         base = {k: v for k, v in cached(path, first["fingerprint"]).items() if k.startswith(("eval_greedy", "greedy_"))}
         report(args.report, results, arms, study, base, first)
     print(table(results, arms, study["reach"], study["gain"]))
