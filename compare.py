@@ -156,11 +156,8 @@ def run_one(arm, seed, out_root, flags):
 def final_eval(out, fingerprint, k=8):
     """evaluate_final of a run's final model (Avg@k, Pass@k, the wordings), in a subprocess
     with one thread (cached in final_eval.json beside the fingerprint it belongs to)."""
-    path = os.path.join(out, "final_eval.json")
-    if cached(path, fingerprint) is None:
-        code = f"import json, compare; print(json.dumps(compare.evaluate_final({os.path.join(out, 'final')!r}, {k})))"
-        _subprocess_json(code, path, fingerprint, f"evaluating {out}/final")
-    return cached(path, fingerprint)
+    code = f"import json, compare; print(json.dumps(compare.evaluate_final({os.path.join(out, 'final')!r}, {k})))"
+    return cached_run(code, os.path.join(out, "final_eval.json"), fingerprint, f"evaluating {out}/final")
 
 
 # Second wordings of the addition task's held-out sums, never seen in training: does what a run
@@ -168,6 +165,11 @@ def final_eval(out, fingerprint, k=8):
 WORDINGS = {"add": "Add {a} and {b}.",
             "story": "Sam has {a} marbles and finds {b} more. How many marbles does Sam have now?"}
 WORDING_LABELS = {"add": "'Add a and b.'", "story": "'Sam has a marbles...'"}
+
+
+def wordings_in(results):
+    """The WORDINGS that some run was evaluated on (the addition task's studies only)."""
+    return [w for w in WORDINGS if any(w in r["wordings"] for r in results)]
 
 
 def reworded(rows, template):
@@ -199,8 +201,8 @@ def evaluate_final(folder, k, base=False):
         tok = AutoTokenizer.from_pretrained(folder)
     test_rows, eos = P.load_task(cfg)[1][:cfg.eval_n], P.stop_ids(model, tok)
     res, _ = S.evaluate(model, tok, test_rows, cfg, eos)
+    greedy = dataclasses.replace(cfg, eval_k=0)
     for name, template in (WORDINGS.items() if cfg.task == "addition" else ()):
-        greedy = dataclasses.replace(cfg, eval_k=0)
         res[f"greedy_{name}"] = S.evaluate(model, tok, reworded(test_rows, template), greedy, eos)[0][
             "eval_greedy_acc"]
     return res
@@ -220,7 +222,7 @@ def table(results, arms, reach, gain):
     """Outcome per arm, mean +- std over seeds: accuracy at the end, how soon it rose, and the
     greedy accuracy on the unseen wordings (when the task has them)."""
     target = f"{reach:.0%} greedy" if reach is not None else f"+{gain * 100:.0f} points"
-    words = [w for w in WORDINGS if any(w in r["wordings"] for r in results)]
+    words = wordings_in(results)
     rows = [f"| arm | final greedy acc | Avg@8 | Pass@8 | steps to {target} (runs that got there) | "
             + "".join(f"greedy on {WORDING_LABELS[w]} | " for w in words) + "train s/run |",
             "|---|---|---|---|---|" + "---|" * len(words) + "---|"]
@@ -260,7 +262,7 @@ def mechanics(results, arms):
 def per_run(results):
     """Every run on its own line: greedy accuracy at each evaluation, then the final numbers."""
     steps = sorted({s for r in results for s, _ in r["curve"]})
-    words = [w for w in WORDINGS if any(w in r["wordings"] for r in results)]
+    words = wordings_in(results)
     rows = ["| arm | seed | " + " | ".join(f"step {s}" for s in steps) + " | Avg@8 | Pass@8 | "
             + "".join(f"{WORDING_LABELS[w]} | " for w in words) + "weight change |",
             "|---|---|" + "---|" * (len(steps) + 3 + len(words))]
@@ -275,42 +277,37 @@ def per_run(results):
     return "\n".join(rows)
 
 
-def cached(path, fingerprint):
-    """The JSON saved at `path` if it belongs to this fingerprint (run code and flags), else None."""
+def cached_run(code, path, fingerprint, what):
+    """The JSON that `code` prints last, run in a subprocess with one thread, and kept at `path`
+    with the fingerprint (run code and flags) it belongs to: read back while that still matches."""
     if os.path.isfile(path):
         with open(path) as f:
             saved = json.load(f)
         if saved.pop("fingerprint", None) == fingerprint:
             return saved
-    return None
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=HERE)
+    if r.returncode != 0:
+        sys.exit(f"error: {what} failed:\n{r.stderr[-2000:]}")
+    res = json.loads(r.stdout.splitlines()[-1])
+    with open(path, "w") as f:
+        json.dump({**res, "fingerprint": fingerprint}, f)
+    return res
 
 
 def weight_change(out, fingerprint):
     """||theta_final - theta_0|| / ||theta_0|| of a run, against the model it started from (in
     a subprocess with one thread, cached in moved.json)."""
-    path = os.path.join(out, "moved.json")
-    if cached(path, fingerprint) is None:
-        code = ("import json, torch, plumbing as P\n"
-                "from transformers import AutoModelForCausalLM\n"
-                f"cfg = json.load(open({os.path.join(out, 'final', 'run_config.json')!r}))\n"
-                "a = P.load_model(cfg['model'], cfg['seed'])[0].state_dict()\n"
-                f"b = AutoModelForCausalLM.from_pretrained({os.path.join(out, 'final')!r}).state_dict()\n"
-                "d = sum(float((b[k].float() - a[k].float()).pow(2).sum()) for k in a if k in b)\n"
-                "n = sum(float(a[k].float().pow(2).sum()) for k in a if k in b)\n"
-                "print(json.dumps({'moved': (d / n) ** 0.5}))")
-        _subprocess_json(code, path, fingerprint, f"measuring the weight change of {out}")
-    return cached(path, fingerprint)["moved"]
-
-
-def _subprocess_json(code, path, fingerprint, what):
-    """Run `code` in a subprocess with one thread; save the JSON it prints last, with the
-    fingerprint it belongs to, to `path`."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=HERE)
-    if r.returncode != 0:
-        sys.exit(f"error: {what} failed:\n{r.stderr[-2000:]}")
-    with open(path, "w") as f:
-        json.dump({**json.loads(r.stdout.splitlines()[-1]), "fingerprint": fingerprint}, f)
+    code = ("import json, torch, plumbing as P\n"
+            "from transformers import AutoModelForCausalLM\n"
+            f"cfg = json.load(open({os.path.join(out, 'final', 'run_config.json')!r}))\n"
+            "a = P.load_model(cfg['model'], cfg['seed'])[0].state_dict()\n"
+            f"b = AutoModelForCausalLM.from_pretrained({os.path.join(out, 'final')!r}).state_dict()\n"
+            "d = sum(float((b[k].float() - a[k].float()).pow(2).sum()) for k in a if k in b)\n"
+            "n = sum(float(a[k].float().pow(2).sum()) for k in a if k in b)\n"
+            "print(json.dumps({'moved': (d / n) ** 0.5}))")
+    return cached_run(code, os.path.join(out, "moved.json"), fingerprint,
+                      f"measuring the weight change of {out}")["moved"]
 
 
 def plot(results, algos, path, title):
@@ -344,7 +341,7 @@ def report(folder, results, arms, study, base, first):
     for r in results:
         dst = os.path.join(folder, "run_logs", os.path.basename(r["out"]))
         os.makedirs(dst, exist_ok=True)
-        for name in ("metrics.jsonl", "final_eval.json", "moved.json", "base_eval.json", "fingerprint.txt"):
+        for name in ("metrics.jsonl", "final_eval.json", "moved.json", "fingerprint.txt"):
             if os.path.isfile(os.path.join(r["out"], name)):
                 shutil.copy(os.path.join(r["out"], name), dst)
     with open(os.path.join(folder, "base_eval.json"), "w") as f:
@@ -396,12 +393,12 @@ def main():
         for r in results:
             r["moved"] = weight_change(r["out"], r["fingerprint"])
         # the model the first run started from (with --model tiny, seed-dependent), evaluated greedily
-        first, path = results[0], os.path.join(results[0]["out"], "base_eval.json")
-        if cached(path, first["fingerprint"]) is None:
-            final = os.path.join(first["out"], "final")
-            code = f"import json, compare; print(json.dumps(compare.evaluate_final({final!r}, 0, base=True)))"
-            _subprocess_json(code, path, first["fingerprint"], "evaluating the base model")
-        base = {k: v for k, v in cached(path, first["fingerprint"]).items() if k.startswith(("eval_greedy", "greedy_"))}
+        first = results[0]
+        code = ("import json, compare; print(json.dumps(compare.evaluate_final("
+                f"{os.path.join(first['out'], 'final')!r}, 0, base=True)))")
+        res = cached_run(code, os.path.join(first["out"], "base_eval.json"), first["fingerprint"],
+                         "evaluating the base model")
+        base = {k: v for k, v in res.items() if k.startswith(("eval_greedy", "greedy_"))}
         report(args.report, results, arms, study, base, first)
     print(table(results, arms, study["reach"], study["gain"]))
     print(mechanics(results, arms))
