@@ -35,9 +35,9 @@ import zlib
 
 import torch
 
-import plumbing as P
+import machinery
+from machinery import batching, models, runs, speed, tasks
 import scgrpo as S
-import speed
 
 
 SHAPES = {  # Qwen2 shapes as published in each model's config.json
@@ -54,14 +54,14 @@ def write_random_model(arch, folder, vocab_size=151936):
     For speed and memory at the real size: it learns nothing."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
     if arch not in SHAPES:
-        P.die(f"--model random:{arch}: unknown shape; use one of {', '.join(SHAPES)}")
+        machinery.die(f"--model random:{arch}: unknown shape; use one of {', '.join(SHAPES)}")
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"]
     chars = [chr(c) for c in range(32, 127)] + ["\n"]
     vocab = {w: i for i, w in enumerate(specials + chars)}
     vocab.update({f"<t{i}>": i for i in range(len(vocab), vocab_size)})
     template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    tok = P.char_tokenizer(vocab, template, eos="<|im_end|>", pad="<|endoftext|>", specials=specials[:2])
+    tok = models.char_tokenizer(vocab, template, eos="<|im_end|>", pad="<|endoftext|>", specials=specials[:2])
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(Qwen2Config(vocab_size=vocab_size, tie_word_embeddings=True, rms_norm_eps=1e-6,
                                          rope_theta=1e6, max_position_embeddings=32768, bos_token_id=0,
@@ -88,19 +88,19 @@ def run_ours(args, impl):
                    algo=algo, prompts_per_step=args.prompts,
                    group_size=args.group, max_new_tokens=args.max_new, micro_batch=args.micro_batch,
                    grad_checkpoint=args.grad_checkpoint, lr=1e-6, seed=0, device=args.device)
-    device = P.pick_device(cfg.device)
-    train_rows, _ = P.load_task(cfg)
-    model, tok = P.load_model(cfg.model, cfg.seed)
+    device = models.pick_device(cfg.device)
+    train_rows, _ = tasks.load_task(cfg)
+    model, tok = models.load_model(cfg.model, cfg.seed)
     model.to(device).eval()
     model.autocast_dtype = torch.bfloat16 if dtype == "bf16" else None
     if cfg.grad_checkpoint:
         model.activation_checkpointing_enable({"use_reentrant": False})
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    batcher, rng, gen = P.Batcher(len(train_rows), 0), random.Random(0), torch.Generator(device).manual_seed(0)
+    batcher, rng, gen = tasks.Batcher(len(train_rows), 0), random.Random(0), torch.Generator(device).manual_seed(0)
     rows = []
     for step in range(args.steps + 1):
         t0 = time.time()
-        m, _ = S.train_step(model, opt, tok, cfg, train_rows, batcher, rng, gen, P.stop_ids(model, tok))
+        m, _ = S.train_step(model, opt, tok, cfg, train_rows, batcher, rng, gen, models.stop_ids(model, tok))
         if device.type == "cuda":
             torch.cuda.synchronize()
         if step > 0:  # step 0 is the warm-up
@@ -116,7 +116,7 @@ def run_trl(args, sc=False):
     from datasets import Dataset
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
-    train_rows, _ = P.load_task(S.Config(task="gsm8k" if args.data else "addition", data=args.data or ""))
+    train_rows, _ = tasks.load_task(S.Config(task="gsm8k" if args.data else "addition", data=args.data or ""))
     prompts = [[{"role": "system", "content": S.SYSTEM_PROMPT}, {"role": "user", "content": r["question"]}]
                for r in train_rows[:args.prompts * (args.steps + 2)]]
     rewards_seen = []
@@ -133,7 +133,7 @@ def run_trl(args, sc=False):
         def on_step_end(self, *a, **k):
             stamps.append(time.time())
 
-    device = P.pick_device(args.device)
+    device = models.pick_device(args.device)
     config = GRPOConfig(
         output_dir=tempfile.mkdtemp(), per_device_train_batch_size=args.micro_batch, num_generations=args.group,
         gradient_accumulation_steps=args.prompts * args.group // args.micro_batch,
@@ -162,7 +162,7 @@ def partial_teacher_pass(model, tok, cfg, ro, own_prompt=False):
     if own_prompt:
         S.encode_prompt = lambda tok, q, reference=None: real_encode(tok, q)
     try:
-        batch = S.make_batch(ro, ["partial"] * len(ro.rows), S.group_advantages(ro.reward), random.Random(0))
+        batch = S.make_batch(ro, ["partial"] * len(ro.problems), S.group_advantages(ro.reward), random.Random(0))
         return S.self_condition(model, tok, cfg, ro, batch)
     finally:
         S.encode_prompt = real_encode
@@ -176,15 +176,15 @@ def gpu_check(args):
     answers run to the 512-token cap) with peak memory per phase and sampling tokens/s."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from transformers import Qwen2Config, Qwen2ForCausalLM
-    device = P.pick_device(args.device)
+    device = models.pick_device(args.device)
     small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
     real = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14)
     config = Qwen2Config(vocab_size=4096 if args.small else 151936, num_key_value_heads=2, max_position_embeddings=4096,
                          tie_word_embeddings=True, bos_token_id=0, eos_token_id=0, pad_token_id=0,
                          **(small if args.small else real))
     torch.manual_seed(0)
-    model, tok = Qwen2ForCausalLM(config).to(device).eval(), P.make_tiny(0)[1]
-    rows, report = P.make_arith()[0], []  # (check, measured, pass)
+    model, tok = Qwen2ForCausalLM(config).to(device).eval(), models.make_tiny(0)[1]
+    rows, report = tasks.make_arith()[0], []  # (check, measured, pass)
     kernels = [("eager", None), ("sdpa math", SDPBackend.MATH), ("sdpa flash", SDPBackend.FLASH_ATTENTION)]
     if device.type == "cuda":
         kernels += [("sdpa efficient", SDPBackend.EFFICIENT_ATTENTION), ("sdpa cudnn", SDPBackend.CUDNN_ATTENTION)]
@@ -193,7 +193,7 @@ def gpu_check(args):
         for dtype in (torch.bfloat16, None):
             model.autocast_dtype, label = dtype, f"{name}, {'bf16' if dtype else 'fp32'}"
             try:
-                with sdpa_kernel(backend) if backend is not None else P.nullcontext():
+                with sdpa_kernel(backend) if backend is not None else models.nullcontext():
                     prompts = [tok(r["question"] * k)["input_ids"] for k, r in zip((1, 6, 2), rows)]
                     comp, mask, h, lse = speed.sample(model, prompts, 2, 8, 1.0, [0], 0,
                                                   torch.Generator(device).manual_seed(0), keep_states=True)
@@ -212,26 +212,26 @@ def gpu_check(args):
                 report.append((f"{label}", "kernel refused: " + str(e).splitlines()[0][:60], None))
     model.set_attn_implementation("sdpa")
     model.autocast_dtype = torch.bfloat16 if device.type == "cuda" else None
-    cfg = S.Config(**{**P.PRESETS["hub"], "max_new_tokens": 16 if args.small else 512, "lr": 1e-6})
+    cfg = S.Config(**{**S.PRESETS["hub"], "max_new_tokens": 16 if args.small else 512, "lr": 1e-6})
     if cfg.grad_checkpoint:
         model.activation_checkpointing_enable({"use_reentrant": False})
     S.verify = coin_reward
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    m, _ = S.train_step(model, opt, tok, cfg, rows, P.Batcher(len(rows), 0), random.Random(0),
+    m, _ = S.train_step(model, opt, tok, cfg, rows, tasks.Batcher(len(rows), 0), random.Random(0),
                         torch.Generator(device).manual_seed(0), [0])
     tokens = m["len_mean"] * cfg.prompts_per_step * cfg.group_size
     report.append(("one hub-preset step: finite loss", f"{m['loss']:.3g} in {m['t_sample'] + m['t_teacher'] + m['t_update']:.1f} s",
                    math.isfinite(m["loss"])))
     report.append(("sampling tokens/s", f"{tokens / m['t_sample']:.0f} ({tokens:.0f} tokens)", None))
-    P.peak_memory_gb(device)
+    runs.peak_memory_gb(device)
     S.evaluate(model, tok, rows[:cfg.eval_batch], S.Config(**{**vars(cfg), "eval_k": 8}), [0])
-    mem_eval = P.peak_memory_gb(device)
+    mem_eval = runs.peak_memory_gb(device)
     if device.type == "cuda":
         phases = {k: m[k] for k in ("mem_sample_gb", "mem_teacher_gb", "mem_update_gb")}
         report += [(f"peak {k[4:-3]} GiB", f"{v:.2f}", None) for k, v in phases.items()]
         report.append(("evaluation peak <= a training step's peak", f"{mem_eval:.2f} GiB",
                        mem_eval <= max(phases.values()) * 1.05))
-    print(f"\ngpu-check on {device} ({P.cuda_status()}), torch {torch.__version__}, "
+    print(f"\ngpu-check on {device} ({models.cuda_status()}), torch {torch.__version__}, "
           f"{'toy' if args.small else 'Qwen2.5-0.5B'} shape\n")
     print("| check | measured | result |\n|---|---|---|")
     for check, measured, ok in report:
@@ -245,17 +245,17 @@ def rescore_cost(args):
     """Under bf16 autocast the teacher pass re-scores the student instead of reading the
     sampler's states (scgrpo.py, note 2). The teacher phase both ways on one batch: 4 questions
     x 8 answers, 3 of them taken as correct (partial-solve groups), the median of 3 timings."""
-    model, tok = P.load_model(args.model, 0)
+    model, tok = models.load_model(args.model, 0)
     model.eval().autocast_dtype = torch.bfloat16
     cfg = S.Config(algo="scgrpo", group_size=args.group, max_new_tokens=args.max_new,
                    temperature=0.8, micro_batch=args.micro_batch)
-    rows = P.load_task(S.Config(task="gsm8k" if args.data else "addition", data=args.data or ""))[0][:args.prompts]
+    rows = tasks.load_task(S.Config(task="gsm8k" if args.data else "addition", data=args.data or ""))[0][:args.prompts]
     prompts = [S.encode_prompt(tok, r["question"]) for r in rows]
     ids, mask, h, lse = speed.sample(model, prompts, cfg.group_size, cfg.max_new_tokens, 0.8,
-                                 P.stop_ids(model, tok), tok.pad_token_id or 0,
+                                 models.stop_ids(model, tok), tok.pad_token_id or 0,
                                  torch.Generator().manual_seed(0), keep_states=True)
     reward = torch.tensor([[1.0] * 3 + [0.0] * (cfg.group_size - 3)] * len(rows))
-    texts, ways = P.decode(tok, ids, mask), {"sampler states": (h, lse), "re-scored": (None, None)}
+    texts, ways = batching.decode(tok, ids, mask), {"sampler states": (h, lse), "re-scored": (None, None)}
     rollouts = {k: S.Rollout(rows, prompts, ids, mask, texts, reward, reward, *v) for k, v in ways.items()}
     times = {k: [] for k in ways}
     for _ in range(3):

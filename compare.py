@@ -70,11 +70,11 @@ def lr_matched(results, flags):
     (`weight_mean` is f(D) over a step's active tokens of partial and solve-none answers
     together; metrics.jsonl keeps no partial-only mean.) The lr it scales is the last --lr in
     `flags`, else the model's preset."""
-    import plumbing as P
+    import scgrpo as S
     w = [x for r in results if r["arm"] == "scgrpo" for x in r["weight_means"]]
     if not w:
         sys.exit("error: the scgrpo arm's runs logged no weight_mean, which the scgrpo-lr arm needs")
-    lr = float(last_flag(flags, "--lr") or P.PRESETS.get(last_flag(flags, "--model"), P.PRESETS["hub"])["lr"])
+    lr = float(last_flag(flags, "--lr") or S.PRESETS.get(last_flag(flags, "--model"), S.PRESETS["hub"])["lr"])
     factor = round(1 / statistics.mean(w), 1)
     print(f"scgrpo-lr: mean f(D) {statistics.mean(w):.4f} over {len(w)} steps -> lr {lr:g} x {factor}",
           file=sys.stderr)
@@ -189,17 +189,18 @@ def evaluate_final(folder, k, base=False):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    import plumbing as P
     import scgrpo as S
+    from machinery.models import load_model, stop_ids
+    from machinery.tasks import load_task
     with open(os.path.join(folder, "run_config.json")) as f:
         cfg = S.Config(**{**json.load(f), "eval_k": k})
     if base:
-        model, tok = P.load_model(cfg.model, cfg.seed)
+        model, tok = load_model(cfg.model, cfg.seed)
         model.eval()
     else:
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
         tok = AutoTokenizer.from_pretrained(folder)
-    test_rows, eos = P.load_task(cfg)[1][:cfg.eval_n], P.stop_ids(model, tok)
+    test_rows, eos = load_task(cfg)[1][:cfg.eval_n], stop_ids(model, tok)
     res, _ = S.evaluate(model, tok, test_rows, cfg, eos)
     greedy = dataclasses.replace(cfg, eval_k=0)
     for name, template in (WORDINGS.items() if cfg.task == "addition" else ()):
@@ -298,10 +299,10 @@ def cached_run(code, path, fingerprint, what):
 def weight_change(out, fingerprint):
     """||theta_final - theta_0|| / ||theta_0|| of a run, against the model it started from (in
     a subprocess with one thread, cached in moved.json)."""
-    code = ("import json, torch, plumbing as P\n"
+    code = ("import json, torch\nfrom machinery.models import load_model\n"
             "from transformers import AutoModelForCausalLM\n"
             f"cfg = json.load(open({os.path.join(out, 'final', 'run_config.json')!r}))\n"
-            "a = P.load_model(cfg['model'], cfg['seed'])[0].state_dict()\n"
+            "a = load_model(cfg['model'], cfg['seed'])[0].state_dict()\n"
             f"b = AutoModelForCausalLM.from_pretrained({os.path.join(out, 'final')!r}).state_dict()\n"
             "d = sum(float((b[k].float() - a[k].float()).pow(2).sum()) for k in a if k in b)\n"
             "n = sum(float(a[k].float().pow(2).sum()) for k in a if k in b)\n"

@@ -11,15 +11,17 @@ seeing a correct solution changes the model's mind are the decisions that matter
 D / (D + c) turns D into a weight in [0, 1) on that token's clipped GRPO term. Groups with no
 correct answer get a small diversity advantage instead, Eq. (5).
 
-This file is the method, in the order the data flows. plumbing.py holds the machinery (flags,
-data, models, the run folder, checkpoints, the credit page); speed.py the fast equals of plain
-lines here (KV-cache sampler, shared prefills, blocked LM head): --fast, default on.
+Words used below. n_c: the number of correct answers in a group; it picks the group's route.
+A solve-none group (n_c = 0) has one answer drawn as its reference o_r; every other answer o_i
+is scored against it over its first L_i = min(|o_i|, |o_r|) tokens, and s_i is the mean f(D)
+there. The active tokens of an answer are those the teacher scores: all of them, or the first
+L_i in a solve-none group. c is the P75 of D over the active tokens.
 
 Where this file simplifies or interprets the paper (docs/notes.md says why, at length):
  1. c = max(P75(D), c_min) is taken over the active tokens of the whole step, not per micro-batch.
- 2. D is measured once per step with the weights that sampled (fp32: student side from the sampler).
+ 2. D is measured once per step with the weights that sampled.
  3. Solve-none groups: the reference o_r itself gets advantage 0 and no gradient.
- 4. Solve-none groups: tokens past L_i = min(|o_i|, |o_r|) get weight 0 (s_i never saw them).
+ 4. Solve-none groups: tokens past L_i get weight 0 (s_i never saw them).
  5. Solve-none groups: Eq. (5)'s mean and std run over the G-1 answers other than o_r.
  6. Solve-none groups: o_r goes into the teacher prompt under the same guide text as a verified one.
  7. Eq. (1) and (5) use the population std; a skipped (all-equal) group still counts in the 1/B.
@@ -31,93 +33,156 @@ Where this file simplifies or interprets the paper (docs/notes.md says why, at l
 13. DAPO's overlong buffer defaults to max_new_tokens // 4 for real models (0 for tiny).
 14. A token whose D is not finite gets weight 0 and is left out of c, with a warning.
 
+Every line below runs as written unless --fast is on (the real-model presets turn it on): then
+three steps, each marked `if cfg.fast:`, call machinery/speed.py for the same numbers, faster
+(tests hold the two equal). machinery/ holds the rest: flags, data, models, the run folder.
+
 Run it:
-    python scgrpo.py                                        # tiny model, offline, CPU, ~2 min
+    python scgrpo.py                                        # tiny model, offline, CPU
     python scgrpo.py --model SmolLM2-135M --task addition   # real model, offline, CPU, ~8 min
     python scgrpo.py --model Qwen2.5-0.5B --task gsm8k      # one 24 GB GPU
     python scgrpo.py --algo grpo                            # the baseline (or dapo)
     python scgrpo.py --resume runs/<run-folder>             # continue a run
 """
-import dataclasses
 import math
-import time
-from dataclasses import dataclass
+import random
+import re
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-import speed
-from plumbing import (TINY_TEMPLATE, Phases, Run, autocast, credit_examples, decode, distinct,
-                      extract_answer, join, left_pad, normalize_number, parse_config)
+from machinery import speed  # the fast equals of three plain steps below (--fast)
+from machinery.batching import decode, distinct, join, left_pad, pack, select_groups, take_rows
+from machinery.cli import parse_config  # flags -> Config: preset, then explicit flags; checks
+from machinery.credit import credit_examples  # the answers shown on the credit page
+from machinery.models import TINY_TEMPLATE, autocast
+from machinery.runs import Phases, Run  # the run folder: logs, checkpoints, resume, Ctrl-C
+from machinery.tasks import Batcher
+# Bookkeeping helpers, one line each: left_pad(token lists, pad_id, device) -> ids, mask (B, P),
+# padded on the left so every prompt ends in the last column; decode(tok, ids, mask) -> N texts;
+# pack(rollout, rows, n_tokens) -> ids, mask (b, L) of those answers (their first n_tokens);
+# distinct(keys) -> (the distinct keys, each key's index among them); join(rollouts), select_groups
+# (rollout, groups), take_rows(batch, rows): concatenate or pick rows (DAPO, micro-batches);
+# autocast(model): bf16 if --dtype asked for it, else a no-op; Phases(device).lap(name): seconds
+# per phase; Batcher(n, seed).take(k): k question indices, a seeded permutation per epoch.
 
-# -----------------------------------------------------------------------------
-# Config
+# Config -------------------------------------------------------------------------------------------
 
-
-def opt(default, help):
-    """A Config field: default and --help text (unit, and why this default) in one place."""
-    return dataclasses.field(default=default, metadata={"help": help})
+def setting(default, help):
+    """A Config field: its default and its --help text (unit, and why this default)."""
+    return field(default=default, metadata={"help": help})
 
 
 @dataclass
 class Config:
-    """Every setting of a run, saved with it. The model's preset (plumbing.PRESETS) replaces
+    """Every setting of a run, saved with it. The model's preset (PRESETS, below) replaces
     some of these defaults; a flag given on the command line beats both."""
-    model: str = opt("tiny", "tiny (built in), SmolLM2-135M, a .gguf, Qwen2.5-0.5B, a hub id")
-    task: str = opt("arith", "gsm8k, or offline: arith (a+b=) or addition (sums in words)")
-    data: str = opt("", "local folder with train.jsonl / test.jsonl in GSM8K's schema")
-    algo: str = opt("scgrpo", "scgrpo (the method), grpo or dapo (the paper's baselines)")
-    steps: int = opt(200, "optimizer updates (x ppo_epochs)")
-    prompts_per_step: int = opt(8, "questions per update; paper: 8")
-    group_size: int = opt(8, "G answers per question; paper: 8")
-    max_new_tokens: int = opt(512, "answer length cap; the paper allows 12,288 on an 8B model")
-    temperature: float = opt(1.0, "sampling temperature, also used to score log-probs and KL")
-    lr: float = opt(1e-6, "AdamW learning rate; paper: 1e-6")
-    weight_decay: float = opt(0.0, "AdamW weight decay; RL fine-tuning usually uses none")
-    epsilon: float = opt(0.2, "PPO clip range (lower side; also upper unless --epsilon-high)")
-    epsilon_high: float = opt(0.0, "upper clip; 0 means = epsilon (dapo: 0.28, clip-higher)")
-    ppo_epochs: int = opt(1, "mu: optimizer steps per sampled batch; >1 keeps old log-probs")
-    micro_batch: int = opt(8, "answers per forward/backward; gradients are accumulated")
-    max_grad_norm: float = opt(1.0, "gradient clipping; paper silent, 1.0 the common default")
-    grad_checkpoint: bool = opt(False, "recompute layers in backward: less memory, slower")
-    c_min: float = opt(1e-4, "floor of c in f(D) = D / (D + c); paper: 1e-4")
-    kl_quantile: float = opt(0.75, "c = quantile of D over active tokens; paper: P75")
-    alpha_div: float = opt(0.1, "scale of the solve-none advantage, Eq. (5); paper: 0.1")
-    overlong_buffer: int = opt(0, "dapo: length penalty in the last N tokens of the cap; 0 off")
-    dapo_max_rounds: int = opt(3, "dapo: sampling rounds per step to refill dropped groups")
-    eval_every: int = opt(25, "steps between evaluations (also at step 0 and at the end)")
-    eval_n: int = opt(200, "test questions in the fixed evaluation subset")
-    eval_k: int = opt(8, "samples per question for Avg@k / Pass@k; 0 disables; paper: 8")
-    eval_batch: int = opt(64, "questions per evaluation batch")
-    save_every: int = opt(100, "steps between checkpoints (also at the end and on Ctrl-C)")
-    log_every: int = opt(1, "steps between printed log lines (metrics.jsonl gets every step)")
-    max_bad_steps: int = opt(5, "consecutive non-finite steps before the run stops")
-    seed: int = opt(0, "seeds python, torch and the sampler")
-    device: str = opt("auto", "auto picks cuda > mps > cpu")
-    dtype: str = opt("auto", "bf16 autocast (weights stay fp32), fp32, or auto: bf16 on cuda")
-    out: str = opt("", "run folder; default runs/<model>-<task>-<algo>-s<seed>-<time>")
-    fast: bool = opt(True, "speed.py's fast equals of this file's plain lines; false: plain")
+    model: str = setting("tiny", "tiny (built in), SmolLM2-135M, a .gguf, Qwen2.5-0.5B, a hub id")
+    task: str = setting("arith", "gsm8k, or offline: arith (a+b=) or addition (sums in words)")
+    data: str = setting("", "local folder with train.jsonl / test.jsonl in GSM8K's schema")
+    algo: str = setting("scgrpo", "scgrpo (the method), grpo or dapo (the paper's baselines)")
+    steps: int = setting(200, "optimizer updates (x ppo_epochs)")
+    prompts_per_step: int = setting(8, "questions per update; paper: 8")
+    group_size: int = setting(8, "G answers per question; paper: 8")
+    max_new_tokens: int = setting(512, "answer length cap; the paper allows 12,288 on an 8B model")
+    temperature: float = setting(1.0, "sampling temperature, also used to score log-probs and KL")
+    lr: float = setting(1e-6, "AdamW learning rate; paper: 1e-6")
+    weight_decay: float = setting(0.0, "AdamW weight decay; RL fine-tuning usually uses none")
+    epsilon: float = setting(0.2, "PPO clip range (lower side; also upper unless --epsilon-high)")
+    epsilon_high: float = setting(0.0, "upper clip; 0 means = epsilon (dapo: 0.28, clip-higher)")
+    ppo_epochs: int = setting(1, "mu: optimizer steps per sampled batch; >1 keeps old log-probs")
+    micro_batch: int = setting(8, "answers per forward/backward; gradients are accumulated")
+    max_grad_norm: float = setting(1.0, "gradient clipping; paper silent, 1.0 the common default")
+    grad_checkpoint: bool = setting(False, "recompute layers in backward: less memory, slower")
+    c_min: float = setting(1e-4, "floor of c in f(D) = D / (D + c); paper: 1e-4")
+    kl_quantile: float = setting(0.75, "c = quantile of D over active tokens; paper: P75")
+    alpha_div: float = setting(0.1, "scale of the solve-none advantage, Eq. (5); paper: 0.1")
+    overlong_buffer: int = setting(0, "dapo: length penalty in the last N tokens of the cap; 0 off")
+    dapo_max_rounds: int = setting(3, "dapo: sampling rounds per step to refill dropped groups")
+    eval_every: int = setting(25, "steps between evaluations (also at step 0 and at the end)")
+    eval_n: int = setting(200, "test questions in the fixed evaluation subset")
+    eval_k: int = setting(8, "samples per question for Avg@k / Pass@k; 0 disables; paper: 8")
+    eval_batch: int = setting(64, "questions per evaluation batch")
+    save_every: int = setting(100, "steps between checkpoints (also at the end and on Ctrl-C)")
+    log_every: int = setting(1, "steps between printed log lines (metrics.jsonl gets every step)")
+    max_bad_steps: int = setting(5, "consecutive non-finite steps before the run stops")
+    seed: int = setting(0, "seeds python, torch, the sampler, the references and the data order")
+    device: str = setting("auto", "auto picks cuda > mps > cpu")
+    dtype: str = setting("auto", "bf16 autocast (weights stay fp32), fp32, or auto: bf16 on cuda")
+    out: str = setting("", "run folder; default runs/<model>-<task>-<algo>-s<seed>-<time>")
+    fast: bool = setting(False, "machinery/speed.py in place of 3 plain steps: same math, faster")
 
-# -----------------------------------------------------------------------------
-# Task and verifier: the tasks are in plumbing.py (arith, addition; GSM8K from the hub)
+
+# The model's preset replaces these defaults (explicit flags still win). tiny: learns on a CPU in
+# minutes, plain lines. SmolLM2-135M-Instruct: --task addition on 2 CPU cores (docs/results.md);
+# any other (hub) model: one 24 GB GPU. --fast pays on both: 5.3x per SmolLM2 step (docs/speed.md).
+PRESETS = {
+    "tiny": dict(steps=2000, prompts_per_step=16, group_size=16, max_new_tokens=2, lr=3e-4,
+                 micro_batch=256, eval_every=250, eval_n=100, eval_batch=100, save_every=500,
+                 log_every=250),
+    "SmolLM2-135M": dict(steps=12, prompts_per_step=4, group_size=8, max_new_tokens=64,
+                         temperature=0.8, lr=2e-5, micro_batch=16, eval_every=4, eval_n=100,
+                         eval_k=0, eval_batch=100, save_every=4, fast=True),
+    "hub": dict(steps=200, prompts_per_step=8, group_size=8, max_new_tokens=512, lr=1e-6,
+                grad_checkpoint=True, micro_batch=8, eval_every=25, eval_n=200, eval_batch=64,
+                save_every=50, fast=True),
+}
+
+# The verifier (the questions and gold answers come from machinery/tasks.py) -----------------------
+
+NUMBER = re.compile(r"-?[0-9][0-9,]*(?:\.[0-9]+)?")  # no nested quantifiers: linear time
+
+
+def last_boxed(text):
+    """Content of the last \\boxed{...}, with nested braces; None if absent or unclosed."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, i = 0, start + len("\\boxed")
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i + 1:j]
+    return None
+
+
+def normalize_number(s):
+    """The first number in s: '$1,234.00' -> '1234', '-3.50%' -> '-3.5'; None if there is none."""
+    m = NUMBER.search(s.replace("$", ""))
+    if m is None:
+        return None
+    num = m.group(0).replace(",", "")
+    if "." in num:
+        num = num.rstrip("0").rstrip(".")
+    return "0" if num in ("-0", "") else num
+
+
+def extract_answer(text):
+    """The final answer of a completion: the last \\boxed{}, else the number after the last
+    '####', else after the last 'answer is', else the last number in the text. Never raises."""
+    box = last_boxed(text)
+    if box is not None:
+        return normalize_number(box)
+    for k, marker in ((text.rfind("####"), "####"), (text.lower().rfind("answer is"), "answer is")):
+        number = normalize_number(text[k + len(marker):]) if k >= 0 else None
+        if number is not None:
+            return number
+    nums = NUMBER.findall(text.replace("$", ""))
+    return normalize_number(nums[-1]) if nums else None
+
 
 def verify(completion, gold):
-    """Rule-based reward: True if the completion's final number equals the gold answer (a GSM8K
-    `answer` field ending in '#### N', or a bare number). The final number is the last
-    \\boxed{}, else what follows the last '####' or 'answer is', else the last number
-    (plumbing.extract_answer); '$1,234.00' reads as 1234."""
-    want = normalize_number(gold.rsplit("####", 1)[-1])
-    got = extract_answer(completion)
+    """Rule-based reward: True if the completion's final number (extract_answer) equals the
+    gold answer (a GSM8K `answer` field ending in '#### N', or a bare number)."""
+    want, got = normalize_number(gold.rsplit("####", 1)[-1]), extract_answer(completion)
     if want is None or got is None:
         return False
-    try:
-        return math.isclose(float(got), float(want), rel_tol=1e-9, abs_tol=1e-9)
-    except (ValueError, OverflowError):
-        return False
+    # both are digit strings (NUMBER), which float() always reads (a huge one as inf)
+    return math.isclose(float(got), float(want), rel_tol=1e-9, abs_tol=1e-9)
 
-# -----------------------------------------------------------------------------
-# Prompts: the student's, and the teacher's with a reference answer in it
+# Prompts: the student's, and the teacher's with a reference answer in it --------------------------
 
 SYSTEM_PROMPT = ("Solve the math problem step by step. Give the final answer as a number in "
                  "\\boxed{}.")
@@ -140,16 +205,13 @@ def encode_prompt(tok, question, reference=None):
                                    enable_thinking=False)
     return tok(text, add_special_tokens=False)["input_ids"]
 
-# -----------------------------------------------------------------------------
-# Sampling: G answers per question, graded into a Rollout
-
+# Sampling: G answers per question, graded into a Rollout ------------------------------------------
 
 @dataclass
 class Rollout:
     """G graded answers to each of B questions; row n of the (N, L) tensors, N = B * G, is
-    answer n % G to question n // G. With --fast, hidden and lse are the student's next-token
-    distribution, log_softmax(hidden @ W.T / T) = hidden @ W.T / T - lse, for the teacher's KL."""
-    rows: list                    # B task rows {'question', 'answer'}
+    answer n % G to question n // G. hidden and lse: see speed.teacher_kl (--fast only)."""
+    problems: list                # B task dicts {'question', 'answer'}
     prompts: list                 # B student prompts, token-id lists
     ids: torch.Tensor             # (N, L) answer tokens, padding after the end
     mask: torch.Tensor            # (N, L) bool, True up to and including the first EOS
@@ -162,15 +224,6 @@ class Rollout:
     @property
     def lengths(self):            # (B, G) answer lengths in tokens, EOS included
         return self.mask.sum(1).cpu().view(self.correct.shape)
-
-    def select(self, groups):
-        """The rollout of the questions `groups` (a list of indices) only."""
-        G = self.correct.shape[1]
-        rows = torch.tensor([b * G + i for b in groups for i in range(G)], dtype=torch.long)
-        states = [None if s is None else s[rows.to(s.device)] for s in (self.hidden, self.lse)]
-        return Rollout([self.rows[b] for b in groups], [self.prompts[b] for b in groups],
-                       self.ids[rows], self.mask[rows], [self.texts[n] for n in rows.tolist()],
-                       self.correct[groups], self.reward[groups], *states)
 
 
 @torch.no_grad()
@@ -202,28 +255,39 @@ def sample(model, prompts, n, max_new, temperature, eos_ids, pad_id, gen):
     return ids[:, P:P + L], mask[:, :L]
 
 
-def rollout(model, tok, cfg, rows, gen, eos_ids):
-    """Sample G answers to each row's question and grade them. -> Rollout"""
+def sample_answers(model, cfg, prompts, n, temperature, eos_ids, pad_id, gen, keep_states=False):
+    """n answers to each prompt: sample(), or speed.sample with --fast. -> ids, mask (N, L), and
+    with --fast and keep_states the student's states for speed.teacher_kl (fp32 only), else
+    None, None."""
+    args = (model, prompts, n, cfg.max_new_tokens, temperature, eos_ids, pad_id, gen)
+    if cfg.fast:  # speed.sample in place of sample(): a KV cache and inverse-CDF draws
+        fp32 = getattr(model, "autocast_dtype", None) is None  # bf16: the teacher re-runs them
+        return speed.sample(*args, keep_states=keep_states and fp32)
+    return (*sample(*args), None, None)
+
+
+def rollout(model, tok, cfg, problems, gen, eos_ids):
+    """Sample G answers to each question and grade them. -> Rollout"""
     G = cfg.group_size
-    prompts = [encode_prompt(tok, r["question"]) for r in rows]
-    # speed.sample: a KV cache, inverse-CDF draws and, in fp32, the student's states (note 2)
-    keep = cfg.algo == "scgrpo" and getattr(model, "autocast_dtype", None) is None
-    args = (model, prompts, G, cfg.max_new_tokens, cfg.temperature, eos_ids, tok.pad_token_id, gen)
-    ids, mask, hidden, lse = speed.sample(*args, keep_states=keep) if cfg.fast else (
-        *sample(*args), None, None)
+    prompts = [encode_prompt(tok, p["question"]) for p in problems]
+    ids, mask, hidden, lse = sample_answers(model, cfg, prompts, G, cfg.temperature, eos_ids,
+                                            tok.pad_token_id, gen, cfg.algo == "scgrpo")
     texts = decode(tok, ids, mask)
-    correct = torch.tensor([verify(t, rows[n // G]["answer"]) for n, t in enumerate(texts)])
+    correct = torch.tensor([verify(t, problems[n // G]["answer"]) for n, t in enumerate(texts)])
     correct = correct.view(-1, G).float()                                          # (B, G)
     reward = correct.clone()                                                       # (B, G)
     if cfg.algo == "dapo" and cfg.overlong_buffer:
         lengths = mask.sum(1).cpu().view(-1, G)
         reward += overlong_penalty(lengths, cfg.max_new_tokens, cfg.overlong_buffer)
-    return Rollout(rows, prompts, ids, mask, texts, correct, reward, hidden, lse)
+    return Rollout(problems, prompts, ids, mask, texts, correct, reward, hidden, lse)
 
 
-# -----------------------------------------------------------------------------
-# Rewards, group advantages and routing
+def overlong_penalty(lengths, max_len, buffer):
+    """DAPO's soft overlong shaping: 0 up to max_len - buffer, then linearly down to -1 at
+    max_len. lengths (any shape) -> penalties (same shape)."""
+    return ((max_len - buffer - lengths.float()) / buffer).clamp(-1.0, 0.0)
 
+# Group advantages and routing ---------------------------------------------------------------------
 
 def group_advantages(rewards):
     """Group-relative advantages. rewards (B, G) -> (B, G); a group whose rewards are all
@@ -238,41 +302,33 @@ def route_groups(rewards, algo):
     """Route of each group from its rewards (B, G) -> list of B str.
     grpo/dapo: 'skip' if all rewards are equal (zero advantage), else 'grpo'.
     scgrpo, by n_c, the number of correct answers:
-      2 <= n_c < G  'partial'   teacher-weighted, a verified answer as reference
-      n_c = 0       'none'      diversity advantage, Eq. (5)
-      n_c = 1       'fallback'  plain GRPO (the teacher here collapsed entropy in the paper)
-      n_c = G       'skip'      zero advantage"""
+      2 <= n_c < G  'partial'     teacher-weighted, a verified answer as reference
+      n_c = 0       'solve_none'  diversity advantage, Eq. (5)
+      n_c = 1       'fallback'    plain GRPO (the teacher here collapsed entropy in the paper)
+      n_c = G       'skip'        zero advantage"""
     G, routes = rewards.shape[1], []
     for r in rewards:
         n_c = int((r > 0.5).sum())
         if algo != "scgrpo":
             routes.append("skip" if bool((r == r[0]).all()) else "grpo")
-        elif n_c in (0, 1, G):
-            routes.append({0: "none", 1: "fallback", G: "skip"}[n_c])
         else:
-            routes.append("partial")
+            routes.append({0: "solve_none", 1: "fallback", G: "skip"}.get(n_c, "partial"))
     return routes
 
 
 def pick_references(correct, route, rng, usable=None):
     """Reference tau for each answer of one group: list of G indices or None.
     partial: uniform over the group's verified answers, never the answer itself.
-    none: one answer o_r drawn uniformly serves every other answer; o_r itself gets None.
+    solve_none: one answer o_r drawn uniformly serves every other answer; o_r itself gets None.
     usable (G bools, default all): answers that may be a reference at all (TRL: not truncated)."""
     G, usable = len(correct), usable or [True] * len(correct)
     if route == "partial":
         good = [j for j in range(G) if correct[j] and usable[j]]
         return [rng.choice([j for j in good if j != i]) for i in range(G)]
-    if route == "none":
+    if route == "solve_none":
         r = rng.choice([i for i in range(G) if usable[i]])
         return [None if i == r else r for i in range(G)]
     return [None] * G
-
-
-def overlong_penalty(lengths, max_len, buffer):
-    """DAPO's soft overlong shaping: 0 up to max_len - buffer, then linearly down to -1 at
-    max_len. lengths (any shape) -> penalties (same shape)."""
-    return ((max_len - buffer - lengths.float()) / buffer).clamp(-1.0, 0.0)
 
 
 @dataclass
@@ -282,49 +338,42 @@ class Batch:
     micro-batch is a slice: batch[i:j]."""
     row: torch.Tensor       # (M,) long, the answer's row in the rollout (question = row // G)
     ref: torch.Tensor       # (M,) long, the rollout row of its reference tau; -1: no teacher
-    route: list             # M routes: 'grpo', 'partial', 'none' or 'fallback'
+    route: list             # M routes: 'grpo', 'partial', 'solve_none' or 'fallback'
     adv: torch.Tensor       # (M,) A_i of Eq. (1), or alpha * A_div_i of Eq. (5) if solve-none
-    n_active: torch.Tensor  # (M,) tokens the teacher scores: all, or L_i if solve-none (note 4)
+    n_active: torch.Tensor  # (M,) its active tokens: all, or L_i if solve-none (note 4)
     kl: torch.Tensor        # (M, L) D_it; 0 where not scored
     weights: torch.Tensor   # (M, L) f(D_it); 1 on each answer token for GRPO, DAPO, 'fallback'
 
-    def __getitem__(self, k):
-        k = torch.arange(len(self.route))[k]
-        return Batch(self.row[k], self.ref[k], [self.route[i] for i in k.tolist()], self.adv[k],
-                     self.n_active[k], self.kl[k], self.weights[k])
+    def __getitem__(self, k):  # a slice or index list k -> the Batch of those rows
+        return take_rows(self, torch.arange(len(self.route))[k])
 
 
 def make_batch(ro, routes, adv, rng, usable=None):
-    """One row per answer that gets a gradient: its advantage, unit weights and, on SC-GRPO's
-    routes, its reference. ro: Rollout; routes: B str; adv, usable (B, G) as above. -> Batch"""
-    G = ro.correct.shape[1]
-    row, ref, route = [], [], []
+    """One row per answer that gets a gradient: its advantage, unit weights, and on SC-GRPO's
+    routes its reference and active length. ro: Rollout; routes: B str; adv, usable (B, G).
+    -> Batch (kl still 0: self_condition fills it)"""
+    G, lengths = ro.correct.shape[1], ro.lengths.view(-1).tolist()
+    row, ref, route, n_active = [], [], [], []
     for b, r in enumerate(routes):
         if r == "skip":
             continue
         ok = None if usable is None else usable[b].tolist()
         for i, j in enumerate(pick_references(ro.correct[b].bool().tolist(), r, rng, ok)):
-            if r == "none" and j is None:
+            if r == "solve_none" and j is None:
                 continue  # o_r, the solve-none reference itself: advantage 0, no gradient (note 3)
             row.append(b * G + i)
             ref.append(-1 if j is None else b * G + j)
             route.append(r)
+            # active tokens: all of the answer, or its first L_i = min(|o_i|, |o_r|) (note 4)
+            n = lengths[b * G + i]
+            n_active.append(min(n, lengths[b * G + j]) if r == "solve_none" else n)
     row = torch.tensor(row, dtype=torch.long)                                       # (M,)
     mask = ro.mask[row]                                                             # (M, L)
     return Batch(row, torch.tensor(ref, dtype=torch.long), route, adv.reshape(-1)[row],
-                 mask.sum(1).cpu(), torch.zeros(mask.shape, device=mask.device), mask.float())
+                 torch.tensor(n_active, dtype=torch.long), torch.zeros(mask.shape,
+                 device=mask.device), mask.float())
 
-
-def pack(ro, rows, n_tokens=None):
-    """Answers `rows` (b,) of a rollout, cut to the longest: ids, mask (b, L) with padding 0.
-    With n_tokens (b,), only the first n_tokens of each answer."""
-    mask = ro.mask[rows]                                                            # (b, L)
-    if n_tokens is not None:
-        mask &= torch.arange(mask.shape[1], device=mask.device) < n_tokens.to(mask.device)[:, None]
-    L = max(1, int(mask.sum(1).max()))
-    mask = mask[:, :L]
-    return ro.ids[rows, :L].masked_fill(~mask, 0), mask
-
+# Scoring answers: the plain forward behind the update's log-probs and the teacher's KL ------------
 
 def forward_answers(model, prompts, ids, mask):
     """The plain forward that scores answers: each row is its prompt (b prompts, left-padded)
@@ -338,9 +387,20 @@ def forward_answers(model, prompts, ids, mask):
                        position_ids=pos).logits                                    # (b, P+L, V)
     return logits[:, p_ids.shape[1] - 1:-1].float()                                # (b, L, V)
 
-# -----------------------------------------------------------------------------
-# The self-conditioned teacher: per-token KL D, weights f(D), diversity advantage
 
+def answer_logprobs(model, cfg, ro, rows):
+    """log pi_theta(o_t | s_t) of the answers `rows` (b,) under the current weights, with
+    gradient. -> logp (b, L), 0 outside the answers; mask (b, L)"""
+    ids, mask = pack(ro, rows)                                                     # (b, L)
+    groups = (rows // cfg.group_size).tolist()
+    if cfg.fast:  # speed.answer_logprobs in place of the three lines below
+        return speed.answer_logprobs(model, ro.prompts, groups, ids, mask, cfg.temperature,
+                                     cfg.grad_checkpoint), mask
+    logits = forward_answers(model, [ro.prompts[g] for g in groups], ids, mask)   # (b, L, V)
+    lp = F.log_softmax(logits / cfg.temperature, -1).gather(-1, ids[..., None])   # (b, L, 1)
+    return lp.squeeze(-1).masked_fill(~mask, 0.0), mask
+
+# The self-conditioned teacher, in three steps: D per token, f(D) with c, Eq. (5) ------------------
 
 @torch.no_grad()
 def teacher_kl(model, cfg, ro, rows, teacher_prompts, prompt_of, ids, mask):
@@ -348,40 +408,50 @@ def teacher_kl(model, cfg, ro, rows, teacher_prompts, prompt_of, ids, mask):
     of rollout ro: the teacher, the same model with a reference in its prompt (Eq. 4), scores
     the same answer tokens. teacher_prompts: the distinct ones; prompt_of (b,): each answer's;
     ids, mask (b, L): the answers, mask True on active tokens. -> D (n,)"""
-    G, T, head = cfg.group_size, cfg.temperature, model.get_output_embeddings()
-    if not cfg.fast:  # plainly: student and teacher forwards, log-softmax over the vocabulary
-        student = forward_answers(model, [ro.prompts[g] for g in (rows // G).tolist()], ids, mask)
-        teacher = forward_answers(model, [teacher_prompts[k] for k in prompt_of.tolist()], ids,
-                                  mask)
-        log_s, log_t = F.log_softmax(student / T, -1), F.log_softmax(teacher / T, -1)  # (b, L, V)
-        # D_t = KL(teacher || student) = sum_v p_t(v) (log p_t(v) - log p_s(v)); kl_div(in, target)
-        return F.kl_div(log_s, log_t, log_target=True, reduction="none").sum(-1)[mask]
-    # speed.py: the same D with one prefill per distinct prompt and no (n, V) matrix
-    if ro.hidden is not None:  # fp32: the student's side from the sampler's states (n, H), (n,)
-        L = mask.shape[1]
-        h_s, lse_s = ro.hidden[rows, :L][mask], ro.lse[rows, :L][mask]
-    else:  # bf16 (note 2): a full forward of the student's prompt + answer, as the teacher gets
-        groups, of = distinct((rows // G).tolist(), ids.device)
-        h_s = speed.shared_prefix_hidden(model, [ro.prompts[g] for g in groups], of, ids, mask)
-        lse_s = speed.head_lse(h_s, head, T)
-    h_t = speed.shared_prefix_hidden(model, teacher_prompts, prompt_of, ids, mask)  # (n, H)
-    return speed.head_kl(h_t, h_s, lse_s, head, T)
+    if cfg.fast:  # speed.teacher_kl in place of the five lines below
+        return speed.teacher_kl(model, ro, rows, teacher_prompts, prompt_of, ids, mask,
+                                cfg.temperature)
+    student = forward_answers(model, [ro.prompts[g] for g in (rows // cfg.group_size).tolist()],
+                              ids, mask)                                           # (b, L, V)
+    teacher = forward_answers(model, [teacher_prompts[k] for k in prompt_of.tolist()], ids, mask)
+    T = cfg.temperature
+    log_s, log_t = F.log_softmax(student / T, -1), F.log_softmax(teacher / T, -1)  # (b, L, V)
+    # D_t = KL(teacher || student) = sum_v p_t(v) (log p_t(v) - log p_s(v)); kl_div(in, target)
+    return F.kl_div(log_s, log_t, log_target=True, reduction="none").sum(-1)[mask]
 
 
-def sc_weights(kl, mask, c_min=1e-4, q=0.75):
-    """f(D) = D / (D + c), c = max(quantile_q(D over active tokens), c_min).
-    kl, mask (...) -> weights (...) in [0, 1), 0 outside mask; and c. No gradient.
-    Refuses a non-finite D: it would make c, hence every weight, NaN."""
-    active = kl[mask]
-    if not bool(torch.isfinite(active).all()):
-        raise ValueError("sc_weights: non-finite KL values among the active tokens")
-    c = max(float(torch.quantile(active.float(), q)) if active.numel() else 0.0, c_min)
+@torch.no_grad()
+def teacher_kls(model, tok, cfg, ro, batch, encode=encode_prompt):
+    """Step 1: D for the active tokens of every answer with a reference, in micro-batches whose
+    answers share references (few teacher prompts each); encode builds the teacher's prompt
+    (Eq. 4). -> kl (M, L), 0 where not scored"""
+    G, kl = cfg.group_size, torch.zeros_like(batch.kl)                             # (M, L)
+    routed = (batch.ref >= 0).nonzero().squeeze(1)                                 # (R,)
+    order = sorted(routed.tolist(), key=lambda m: (int(batch.row[m]) // G, int(batch.ref[m])))
+    for mb in torch.tensor(order, dtype=torch.long).split(cfg.micro_batch):
+        ids, mask = pack(ro, batch.row[mb], batch.n_active[mb])                    # (b, L)
+        refs, prompt_of = distinct(batch.ref[mb].tolist(), ids.device)
+        # Eq. (4): the teacher prompt holds the reference answer tau = o_j
+        prompts = [encode(tok, ro.problems[j // G]["question"], reference=ro.texts[j])
+                   for j in refs]
+        d = teacher_kl(model, cfg, ro, batch.row[mb], prompts, prompt_of, ids, mask)  # (n,)
+        kl[mb, :mask.shape[1]] = torch.zeros(mask.shape, device=kl.device).masked_scatter(mask, d)
+    return kl
+
+
+def sc_weights(kl, active, c_min=1e-4, q=0.75):
+    """Step 2: f(D) = D / (D + c), c = max(quantile_q(D over active tokens), c_min).
+    kl, active (...) -> weights (...) in [0, 1), 0 off the active tokens; and c. No gradient.
+    A non-finite D would make c, hence every weight, NaN: such a token is left out (note 14)."""
+    active = active & torch.isfinite(kl)
+    d = kl[active]
+    c = max(float(torch.quantile(d.float(), q)) if d.numel() else 0.0, c_min)
     # f(D) = D / (D + c): tokens above the q-quantile keep more than half their gradient
-    return torch.where(mask, kl / (kl + c), torch.zeros_like(kl)).detach(), c
+    return torch.where(active, kl / (kl + c), torch.zeros_like(kl)).detach(), c
 
 
 def diversity_advantages(weights, lengths, r, alpha=0.1, eps=1e-6):
-    """Eq. (5) for a solve-none group. weights (G, L) = f(D) of each answer against the
+    """Eq. (5) for one solve-none group. weights (G, L) = f(D) of each answer against the
     reference o_r, zero past L_i = min(|o_i|, |o_r|); lengths (G,).
     s_i = 1/L_i sum_{t<=L_i} f(D_it);  A_div_i = (s_i - mean(s)) / (std(s) + eps), over i != r
     (note 5); returns alpha * A_div (G,), with 0 for o_r itself (note 3)."""
@@ -396,55 +466,45 @@ def diversity_advantages(weights, lengths, r, alpha=0.1, eps=1e-6):
     return adv
 
 
+def solve_none_advantages(ro, batch, weights, alpha):
+    """Step 3: Eq. (5) in every solve-none group of the batch, from the weights f(D) (M, L).
+    -> adv (M,): batch.adv with each solve-none answer's entry replaced by alpha * A_div_i"""
+    G, adv = ro.correct.shape[1], batch.adv.clone()
+    groups = (batch.row // G).tolist()                                             # (M,)
+    for b in sorted({g for g, route in zip(groups, batch.route) if route == "solve_none"}):
+        members = (batch.row // G == b).nonzero().squeeze(1)  # b's answers here: all but o_r
+        places = batch.row[members] % G                       # their indices i in the group
+        r = int(batch.ref[members[0]]) % G                    # o_r's index: all members' reference
+        f = torch.zeros(G, int(ro.lengths.view(-1)[batch.row[members]].max()))    # (G, L_b)
+        f[places] = weights[members, :f.shape[1]].cpu()
+        adv[members] = diversity_advantages(f, ro.lengths[b], r, alpha)[places]
+    return adv
+
+
 @torch.no_grad()
 def self_condition(model, tok, cfg, ro, batch, encode=encode_prompt):
-    """SC-GRPO's addition, for the answers with a reference: the per-token KL D against the
-    teacher (a forward per micro-batch; encode builds its prompt, Eq. 4), f(D), and Eq. (5)
-    in solve-none groups. Fills batch.n_active, kl, weights and adv; -> metrics."""
-    G, device = cfg.group_size, ro.mask.device
-    lengths = ro.lengths.view(-1)                                                  # (N,)
-    # Active tokens: all of a partial-solve answer, the first L_i = min(|o_i|, |o_r|) in a
-    # solve-none one (note 4).
-    none = torch.tensor([r == "none" for r in batch.route], dtype=torch.bool)      # (M,)
-    L_i = torch.minimum(lengths[batch.row], lengths[batch.ref.clamp(min=0)])
-    batch.n_active = torch.where(none, L_i, lengths[batch.row])                    # (M,)
-    # D in micro-batches, answers with the same reference side by side (few teacher prompts)
+    """SC-GRPO's addition: D (teacher_kls), f(D) with c over the step's active tokens
+    (sc_weights, note 1), and the solve-none advantage (Eq. 5). Fills batch.kl, weights and
+    adv; -> metrics."""
     routed = (batch.ref >= 0).nonzero().squeeze(1)                                 # (R,)
-    order = sorted(routed.tolist(), key=lambda m: (int(batch.row[m]) // G, int(batch.ref[m])))
-    for mb in torch.tensor(order, dtype=torch.long).split(cfg.micro_batch):
-        ids, mask = pack(ro, batch.row[mb], batch.n_active[mb])                    # (b, L)
-        refs, prompt_of = distinct(batch.ref[mb].tolist(), device)
-        # Eq. (4): the teacher prompt holds the reference answer tau = o_j
-        prompts = [encode(tok, ro.rows[j // G]["question"], reference=ro.texts[j])
-                   for j in refs]
-        d = teacher_kl(model, cfg, ro, batch.row[mb], prompts, prompt_of, ids, mask)  # (n,)
-        L = mask.shape[1]
-        batch.kl[mb, :L] = torch.zeros(mask.shape, device=device).masked_scatter(mask, d)
-    # f(D), with c over the active tokens of the whole batch (note 1)
-    active = torch.arange(batch.kl.shape[1]) < batch.n_active[:, None]             # (M, L)
-    kl, active = batch.kl[routed], active[routed].to(device)                       # (R, L)
-    nonfinite = active & ~torch.isfinite(kl)  # one NaN would make c, hence every weight, NaN
+    batch.kl = teacher_kls(model, tok, cfg, ro, batch, encode)                     # (M, L)
+    kl = batch.kl[routed]                                                          # (R, L)
+    active = (torch.arange(kl.shape[1]) < batch.n_active[routed, None]).to(kl.device)
+    nonfinite = active & ~torch.isfinite(kl)
     if nonfinite.any():
-        tqdm.write(f"warning: {int(nonfinite.sum())} non-finite KL values this step; those "
-                   "tokens get weight 0 (kl_nonfinite in metrics.jsonl)")
-        kl, active = kl.masked_fill(nonfinite, 0.0), active & ~nonfinite
-    weights, c = sc_weights(kl, active, cfg.c_min, cfg.kl_quantile)
+        tqdm.write(f"warning: {int(nonfinite.sum())} non-finite KL values get weight 0 (note 14)")
+    weights, c = sc_weights(kl, active, cfg.c_min, cfg.kl_quantile)                # (R, L)
     batch.weights[routed] = weights
-    # Eq. (5): each solve-none group's answers get the diversity advantage instead of 0
-    for b in sorted({int(batch.row[m]) // G for m in routed if batch.route[m] == "none"}):
-        members = (batch.row // G == b).nonzero().squeeze(1)  # batch rows: b's answers but o_r
-        i = batch.row[members] % G  # their places in the group; r below: o_r's place
-        w = torch.zeros(G, int(lengths[batch.row[members]].max()))                 # (G, L_b)
-        w[i] = batch.weights[members, :w.shape[1]].cpu()
-        r = int(batch.ref[members[0]]) % G  # every member's reference is o_r
-        batch.adv[members] = diversity_advantages(w, ro.lengths[b], r, cfg.alpha_div)[i]
-    q = torch.tensor([0.5, 0.75, 0.95], device=device)
+    batch.adv = solve_none_advantages(ro, batch, batch.weights, cfg.alpha_div)     # (M,)
+    active &= ~nonfinite
+    q = torch.tensor([0.5, 0.75, 0.95], device=kl.device)
     p50, p75, p95 = torch.quantile(kl[active].float(), q).tolist()
     return dict(kl_p50=p50, kl_p75=p75, kl_p95=p95, c=c, weight_mean=float(weights[active].mean()),
                 kl_nonfinite=int(nonfinite.sum()))
 
-# -----------------------------------------------------------------------------
-# The loss: the clipped GRPO objective, each token weighted by f(D)
+# The loss: the clipped GRPO objective, each token weighted by f(D) --------------------------------
+
+DAPO_EPS_HIGH = 0.28  # DAPO's clip-higher: the upper clip range when --epsilon-high is not set
 
 
 def policy_loss(logp, old_logp, adv, weights, scale, mask, eps_low, eps_high):
@@ -461,11 +521,9 @@ def policy_loss(logp, old_logp, adv, weights, scale, mask, eps_low, eps_high):
     clipped = ((ratio < 1 - eps_low) | (ratio > 1 + eps_high)) & mask
     return -per_token.sum(), int(clipped.sum())
 
-# -----------------------------------------------------------------------------
-# One training step: sample -> reward -> advantages -> (SC-GRPO) teacher -> clipped update
+# One training step: sample -> reward -> advantages -> (SC-GRPO) teacher -> clipped update ---------
 
-
-def sample_groups(model, tok, cfg, train_rows, batcher, gen, eos_ids):
+def sample_groups(model, tok, cfg, train_set, batcher, gen, eos_ids):
     """prompts_per_step groups. DAPO's dynamic sampling drops groups whose rewards are all
     equal (note 8) and refills the batch, for at most dapo_max_rounds rounds.
     -> (Rollout to train on, Rollout of every group sampled, rounds)"""
@@ -473,26 +531,26 @@ def sample_groups(model, tok, cfg, train_rows, batcher, gen, eos_ids):
     max_rounds = cfg.dapo_max_rounds if cfg.algo == "dapo" else 1
     while n_kept < cfg.prompts_per_step and rounds < max_rounds:
         rounds += 1
-        rows = [train_rows[i] for i in batcher.take(cfg.prompts_per_step - n_kept)]
-        new = rollout(model, tok, cfg, rows, gen, eos_ids)
+        problems = [train_set[i] for i in batcher.take(cfg.prompts_per_step - n_kept)]
+        new = rollout(model, tok, cfg, problems, gen, eos_ids)
         sampled.append(new)
         if cfg.algo == "dapo":  # keep exactly the groups route_groups would not skip
-            new = new.select([b for b, route in enumerate(route_groups(new.reward, "dapo"))
-                              if route != "skip"])
+            new = select_groups(new, [b for b, route in enumerate(route_groups(new.reward, "dapo"))
+                                      if route != "skip"])
         kept.append(new)
-        n_kept += len(new.rows)
+        n_kept += len(new.problems)
     return join(kept), join(sampled), rounds
 
 
-def update(model, opt, cfg, ro, batch):
+def update(model, optimizer, cfg, ro, batch):
     """ppo_epochs AdamW steps on the clipped objective, gradients accumulated over
     micro-batches. -> (loss, clip_frac, grad_norm, stepped)"""
-    head, device, G = model.get_output_embeddings(), ro.mask.device, cfg.group_size
+    device, G = ro.mask.device, cfg.group_size
     lengths = ro.lengths.view(-1)[batch.row]                                       # (M,)
     total_tokens = int(lengths.sum())
     # The objective's normaliser, per token: GRPO 1/G sum_i 1/|o_i|, averaged over the B
     # groups; DAPO one token-level mean over the whole batch.
-    B = len(ro.rows)
+    B = len(ro.problems)
     scale = (torch.full((len(lengths),), 1.0 / max(1, total_tokens)) if cfg.algo == "dapo"
              else (1.0 / (B * G * lengths.double())).float())                     # (M,)
     # Longest prompts first (a memory problem shows at once), a group's answers side by side.
@@ -501,35 +559,18 @@ def update(model, opt, cfg, ro, batch):
                    key=lambda m: (-len(ro.prompts[group[m]]), group[m], -int(lengths[m])))
     batch, scale = batch[order], scale[order]
     mbs = [slice(s, s + cfg.micro_batch) for s in range(0, len(order), cfg.micro_batch)]
-    eps_high = cfg.epsilon_high or (0.28 if cfg.algo == "dapo" else cfg.epsilon)
-
-    def logprobs(mb):  # -> log pi_theta(o_t | s_t) (b, L), 0 outside the answers; mask (b, L)
-        ids, mask = pack(ro, mb.row)                                               # (b, L)
-        groups = (mb.row // G).tolist()
-        if not cfg.fast:  # plainly: log_softmax(model(prompt + answer).logits / T).gather(...)
-            logits = forward_answers(model, [ro.prompts[g] for g in groups], ids, mask)
-            lp = F.log_softmax(logits / cfg.temperature, -1).gather(-1, ids[..., None])
-            return lp.squeeze(-1).masked_fill(~mask, 0.0), mask
-        # speed.py: one prefill per group (none under activation checkpointing, which drops the
-        # KV cache), then the LM head in vocabulary blocks with no (n, V) matrix
-        keys, prompt_of = distinct(groups, device)
-        h = (speed.completion_hidden(model, [ro.prompts[g] for g in groups], ids, mask)
-             if cfg.grad_checkpoint else  # (n, H)
-             speed.shared_prefix_hidden(model, [ro.prompts[g] for g in keys], prompt_of, ids, mask))
-        lp = speed.head_logprobs(head, h, ids[mask], cfg.temperature)              # (n,)
-        return torch.zeros(mask.shape, device=device).masked_scatter(mask, lp), mask
-
+    eps_high = cfg.epsilon_high or (DAPO_EPS_HIGH if cfg.algo == "dapo" else cfg.epsilon)
     old = []
     if cfg.ppo_epochs > 1:  # old log-probs, frozen for all epochs
         with torch.no_grad():
-            old = [logprobs(batch[s])[0] for s in mbs]
+            old = [answer_logprobs(model, cfg, ro, batch[s].row)[0] for s in mbs]
     loss_sum, clip_sum, grad_norm, stepped = 0.0, 0.0, 0.0, False
     model.train(cfg.grad_checkpoint)  # HF checkpoints layers only in train mode; no dropout
     for _ in range(cfg.ppo_epochs if len(order) else 0):
         loss_sum, clip_sum = 0.0, 0.0
         for k, s in enumerate(mbs):
             mb = batch[s]
-            logp, mask = logprobs(mb)                                              # (b, L)
+            logp, mask = answer_logprobs(model, cfg, ro, mb.row)                   # (b, L)
             L = mask.shape[1]
             loss, n_clipped = policy_loss(  # mu = 1: old = logp.detach(), so rho = 1 (no clip)
                 logp, old[k] if old else logp.detach(), mb.adv.to(device), mb.weights[:, :L],
@@ -539,19 +580,19 @@ def update(model, opt, cfg, ro, batch):
         grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
         if not (math.isfinite(loss_sum) and math.isfinite(grad_norm)):
             break  # a non-finite step is skipped, never applied
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
         stepped = True
-    opt.zero_grad(set_to_none=True)
+    optimizer.zero_grad(set_to_none=True)
     model.eval()  # the sampler needs eval mode: HF turns the KV cache off under checkpointing
     return loss_sum, clip_sum / max(1, total_tokens), grad_norm, stepped
 
 
-def train_step(model, opt, tok, cfg, train_rows, batcher, rng, gen, eos_ids):
+def train_step(model, optimizer, tok, cfg, train_set, batcher, rng, gen, eos_ids):
     """One update: sample -> reward -> advantages and routes -> (SC-GRPO) teacher KL and
     weights -> clipped update. -> (metrics, credit-view examples)"""
     clock = Phases(next(model.parameters()).device)  # seconds and CUDA memory per phase
-    ro, sampled, rounds = sample_groups(model, tok, cfg, train_rows, batcher, gen, eos_ids)
+    ro, sampled, rounds = sample_groups(model, tok, cfg, train_set, batcher, gen, eos_ids)
     clock.lap("sample")
     adv = group_advantages(ro.reward)                                              # (B, G)
     routes = route_groups(ro.reward, cfg.algo)
@@ -559,48 +600,55 @@ def train_step(model, opt, tok, cfg, train_rows, batcher, rng, gen, eos_ids):
     routed = (batch.ref >= 0).nonzero().squeeze(1).tolist()
     sc_stats = self_condition(model, tok, cfg, ro, batch) if routed else {}
     clock.lap("teacher")
-    loss, clip_frac, grad_norm, stepped = update(model, opt, cfg, ro, batch)
+    loss, clip_frac, grad_norm, stepped = update(model, optimizer, cfg, ro, batch)
     clock.lap("update")
     metrics = dict(
         reward_mean=float(sampled.correct.mean()), loss=loss, grad_norm=grad_norm,
         clip_frac=clip_frac, len_mean=float(sampled.lengths.float().mean()),
         groups_skipped=routes.count("skip"), groups_partial=routes.count("partial"),
-        groups_none=routes.count("none"), groups_fallback=routes.count("fallback"),
+        groups_none=routes.count("solve_none"), groups_fallback=routes.count("fallback"),
         answers_updated=len(batch.route), **sc_stats, nonfinite=bool(batch.route) and not stepped,
-        **clock.seconds)
+        **clock.seconds, **clock.memory)
     if cfg.algo == "dapo":
-        metrics.update(sample_rounds=rounds, groups_dropped=len(sampled.rows) - len(ro.rows))
-    metrics.update(clock.memory)
+        dropped = len(sampled.problems) - len(ro.problems)
+        metrics.update(sample_rounds=rounds, groups_dropped=dropped)
     return metrics, credit_examples(tok, cfg, ro, batch, routed)
 
-# -----------------------------------------------------------------------------
-# The training loop
-
+# The training loop --------------------------------------------------------------------------------
 
 def train(cfg, resume=""):
-    """Train, evaluate and save. Set-up, logs, checkpoints, resume and Ctrl-C live in
-    plumbing.Run; nothing runs at import. resume: a checkpoint folder from parse_config, or ""."""
-    run = Run(cfg, resume)
-    if run.start == 1:
-        run.log_eval(0, *evaluate(run.model, run.tok, run.eval_rows, cfg, run.eos_ids))
-    credit, bar = [], tqdm(range(run.start, cfg.steps + 1), desc="train", initial=run.start - 1,
+    """Train, evaluate and save. resume: a checkpoint folder from parse_config, or ""."""
+    # One seed for everything. With one CPU thread (OMP_NUM_THREADS=1) a run repeats bit for
+    # bit; with more, or on a GPU, some reductions split differently from run to run, so runs
+    # agree in every digit for a few hundred steps and then drift apart slowly.
+    random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)  # the tiny model's initial weights come from this stream
+    run = Run(cfg, resume)  # data, model (fp32 weights) and run folder; resume: the checkpoint's
+    model, tok = run.model, run.tok
+    # AdamW on every weight at a constant learning rate (note 10), PyTorch's betas (0.9, 0.999)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    rng = random.Random(cfg.seed)                            # which answer is whose reference
+    gen = torch.Generator(run.device).manual_seed(cfg.seed)  # the sampler's draws
+    batcher = Batcher(len(run.train_set), cfg.seed)          # which questions each step
+    start = run.begin(optimizer, rng, gen, batcher)  # restores all four when resuming
+    if start == 1:
+        run.log_eval(0, *evaluate(model, tok, run.eval_set, cfg, run.eos_ids))
+    credit, bar = [], tqdm(range(start, cfg.steps + 1), desc="train", initial=start - 1,
                            total=cfg.steps, disable=None)
     for step in bar:
-        t0 = time.time()
-        m, new_credit = train_step(run.model, run.opt, run.tok, cfg, run.train_rows, run.batcher,
-                                   run.rng, run.gen, run.eos_ids)
+        m, new_credit = train_step(model, optimizer, tok, cfg, run.train_set, batcher, rng, gen,
+                                   run.eos_ids)
         credit = new_credit or credit
-        run.log_step(bar, {"step": step, **m, "seconds": time.time() - t0})  # stops on NaN runs
+        run.log_step(bar, {"step": step, **m})  # stops the run after --max-bad-steps NaN steps
         if step % cfg.eval_every == 0 or step == cfg.steps:
-            run.log_eval(step, *evaluate(run.model, run.tok, run.eval_rows, cfg, run.eos_ids),
+            run.log_eval(step, *evaluate(model, tok, run.eval_set, cfg, run.eos_ids),
                          credit if cfg.algo == "scgrpo" else None)
         run.checkpoint(bar, step)  # every --save-every steps, at the end, and after a Ctrl-C
-    bar.close()
-    run.finish()
-    return cfg
+    run.finish(bar)
 
-# -----------------------------------------------------------------------------
-# Evaluation: greedy accuracy, Avg@k and Pass@k
+# Evaluation: greedy accuracy, Avg@k and Pass@k ----------------------------------------------------
+
+EVAL_SEED_OFFSET = 7919  # evaluation samples from its own stream, seed + this (any fixed offset)
 
 
 def avg_and_pass_at_k(correct):
@@ -609,40 +657,40 @@ def avg_and_pass_at_k(correct):
     return float(correct.float().mean()), float(correct.any(1).float().mean())
 
 
+def answer_and_verify(model, tok, problems, cfg, eos_ids, n, temperature, gen):
+    """n answers to each problem, graded. -> (len(problems) * n bools, the answers' texts)"""
+    # at most max(eval_batch, a step's answers) rows per sampler call: no more memory than training
+    max_rows = max(cfg.eval_batch, cfg.prompts_per_step * cfg.group_size)
+    q = max(1, min(cfg.eval_batch, max_rows // n))                                 # questions
+    texts = []
+    for i in tqdm(range(0, len(problems), q), desc="eval", leave=False, disable=None):
+        prompts = [encode_prompt(tok, p["question"]) for p in problems[i:i + q]]
+        ids, mask, _, _ = sample_answers(model, cfg, prompts, n, temperature, eos_ids,
+                                         tok.pad_token_id, gen)                    # (q n, L)
+        texts += decode(tok, ids, mask)
+    return [verify(t, problems[j // n]["answer"]) for j, t in enumerate(texts)], texts
+
+
 @torch.no_grad()
-def evaluate(model, tok, rows, cfg, eos_ids):
-    """Greedy accuracy on `rows`, and Avg@k / Pass@k (k = cfg.eval_k) at the training
+def evaluate(model, tok, problems, cfg, eos_ids):
+    """Greedy accuracy on `problems`, and Avg@k / Pass@k (k = cfg.eval_k) at the training
     temperature. Its own generator: evaluating never shifts the training random stream.
     -> (metrics, the first 4 greedy answers)"""
     device, k = next(model.parameters()).device, cfg.eval_k
-    clock = Phases(device)
-    gen = torch.Generator(device).manual_seed(cfg.seed + 7919)
-    greedy, sampled, shown = [], [], []
-    # at most max(eval_batch, a step's answers) rows per sampler call: no more memory than training
-    max_rows = max(cfg.eval_batch, cfg.prompts_per_step * cfg.group_size)
-    for n, temp, into in ((1, 0.0, greedy), (k, cfg.temperature, sampled)):
-        q = max(1, min(cfg.eval_batch, max_rows // max(n, 1)))  # questions per call
-        for i in tqdm(range(0, len(rows) if n else 0, q), desc="eval", leave=False, disable=None):
-            batch = rows[i:i + q]
-            prompts = [encode_prompt(tok, r["question"]) for r in batch]
-            args = (model, prompts, n, cfg.max_new_tokens, temp, eos_ids, tok.pad_token_id, gen)
-            ids, mask = speed.sample(*args)[:2] if cfg.fast else sample(*args)
-            texts = decode(tok, ids, mask)
-            into.extend(verify(t, batch[j // n]["answer"]) for j, t in enumerate(texts))
-            if n == 1 and not shown:
-                shown = [dict(question=r["question"], completion=t,
-                              reward=float(verify(t, r["answer"])))
-                         for r, t in zip(batch[:4], texts[:4])]
+    gen = torch.Generator(device).manual_seed(cfg.seed + EVAL_SEED_OFFSET)
+    greedy, texts = answer_and_verify(model, tok, problems, cfg, eos_ids, 1, 0.0, gen)
+    shown = [dict(question=p["question"], completion=t, reward=float(ok))
+             for p, t, ok in zip(problems[:4], texts[:4], greedy)]
     out = {"eval_greedy_acc": sum(greedy) / len(greedy)}
     if k:
+        sampled, _ = answer_and_verify(model, tok, problems, cfg, eos_ids, k, cfg.temperature, gen)
         out["eval_avg_at_k"], out["eval_pass_at_k"] = avg_and_pass_at_k(
             torch.tensor(sampled).view(-1, k))
-    clock.lap("eval")
-    return {**out, **clock.memory}, shown
+    return out, shown
 
 
 def main(argv=None):
-    cfg, resume = parse_config(Config, argv)
+    cfg, resume = parse_config(Config, PRESETS, argv)
     train(cfg, resume)
 
 

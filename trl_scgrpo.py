@@ -55,7 +55,10 @@ import torch
 from accelerate.utils import gather_object, is_peft_model
 from trl import GRPOConfig, GRPOTrainer
 
-import plumbing as P
+from machinery import die
+from machinery.cli import check_config
+from machinery.models import TINY_TEMPLATE, load_model, logits_are_head_of_hidden
+from machinery.tasks import load_task
 import scgrpo as S
 
 
@@ -106,7 +109,7 @@ def text_of(completion):
 def make_dataset(rows, tok):
     """TRL rows from scgrpo task rows: the student prompt of scgrpo.encode_prompt as a chat
     (the system prompt and the question), and the gold answer for the reward."""
-    tiny = tok.chat_template == P.TINY_TEMPLATE
+    tiny = tok.chat_template == TINY_TEMPLATE
     system = [] if tiny else [{"role": "system", "content": S.SYSTEM_PROMPT}]
     return [{"prompt": system + [{"role": "user", "content": r["question"]}], "answer": r["answer"]}
             for r in rows]
@@ -136,7 +139,7 @@ class SCGRPOTrainer(GRPOTrainer):
         model = self.accelerator.unwrap_model(self.model)
         # The fast teacher (speed.py) reads the final hidden state and the head's weight; a PEFT
         # model or soft-capped logits get the plain teacher (full logits through the model).
-        fast = not is_peft_model(model) and P.logits_are_head_of_hidden(model)
+        fast = not is_peft_model(model) and logits_are_head_of_hidden(model)
         self.sc_cfg = S.Config(algo="scgrpo", group_size=self.num_generations, c_min=c_min,
                                kl_quantile=kl_quantile, alpha_div=alpha_div, fast=fast,
                                temperature=self.args.temperature, micro_batch=teacher_micro_batch)
@@ -145,7 +148,7 @@ class SCGRPOTrainer(GRPOTrainer):
     def encode_teacher(self, tok, conversation, reference):
         """Token ids of the teacher prompt: teacher_conversation rendered as TRL renders the
         student's prompt (the chat template with the trainer's chat_template_kwargs)."""
-        prompt = teacher_conversation(conversation, reference, tok.chat_template == P.TINY_TEMPLATE)
+        prompt = teacher_conversation(conversation, reference, tok.chat_template == TINY_TEMPLATE)
         if not isinstance(prompt, str):
             prompt = tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True,
                                              **self.chat_template_kwargs)
@@ -204,8 +207,8 @@ class SCGRPOTrainer(GRPOTrainer):
         per_token = torch.nn.functional.pad(per_token, (0, max(0, C - per_token.shape[1])))
         out["advantages"] = per_token[start:start + B, :C]
         metrics = self._metrics["train"]
-        for route in ("partial", "none", "fallback", "skip"):
-            metrics[f"sc/groups_{route}"].append(routes.count(route))
+        for route in ("partial", "solve_none", "fallback", "skip"):  # sc/groups_none: solve-none
+            metrics[f"sc/groups_{route.removeprefix('solve_')}"].append(routes.count(route))
         for key, value in stats.items():
             metrics[f"sc/{key}"].append(value)
         return out
@@ -232,12 +235,12 @@ def main(argv=None):
     answers = args.prompts_per_step * args.group_size
     processes = PartialState(cpu=not torch.cuda.is_available()).num_processes
     if answers % processes:
-        P.die(f"--prompts-per-step x --group-size ({answers}) must split evenly over {processes} "
+        die(f"--prompts-per-step x --group-size ({answers}) must split evenly over {processes} "
               "processes")
-    preset = P.PRESETS.get(args.model, P.PRESETS["hub"])
+    preset = S.PRESETS.get(args.model, S.PRESETS["hub"])
     cfg = S.Config(model=args.model, task=args.task, data=args.data)
-    P.check_config(cfg)
-    model, tok = P.load_model(cfg.model, args.seed)
+    check_config(cfg)
+    model, tok = load_model(cfg.model, args.seed)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     config = GRPOConfig(
@@ -249,12 +252,12 @@ def main(argv=None):
         use_vllm=args.use_vllm, save_strategy="no", logging_steps=1,
         use_cpu=not torch.cuda.is_available(),  # several CPU processes need accelerate's cpu mode
         chat_template_kwargs={"enable_thinking": False})
-    rows = make_dataset(P.load_task(cfg)[0], tok)
+    rows = make_dataset(load_task(cfg)[0], tok)
     try:
         trainer = SCGRPOTrainer(model=model, processing_class=tok, reward_funcs=[correctness],
                                 args=config, train_dataset=Dataset.from_list(rows))
     except ValueError as e:  # a setting SC-GRPO cannot honour: one line, exit 2
-        P.die(str(e))
+        die(str(e))
     trainer.train()
     trainer.save_model(args.out)
     if trainer.accelerator.is_main_process:  # TRL's logs, sc/* included

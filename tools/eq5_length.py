@@ -23,7 +23,7 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import plumbing as P  # noqa: E402
+from machinery import cli  # noqa: E402
 import scgrpo as S  # noqa: E402
 
 
@@ -50,15 +50,15 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="", help="also write the (advantage, length) pairs to this JSON file")
     args = ap.parse_args()
-    cfg, _ = P.parse_config(S.Config, ["--model", args.model, "--task", args.task, "--seed", str(args.seed)])
+    cfg, _ = cli.parse_config(S.Config, S.PRESETS, ["--model", args.model, "--task", args.task, "--seed", str(args.seed)])
     torch.manual_seed(cfg.seed)
-    model, tok = P.load_model(cfg.model, cfg.seed)
+    model, tok = models.load_model(cfg.model, cfg.seed)
     model.eval()
-    train_rows, eos = P.load_task(cfg)[0], P.stop_ids(model, tok)
+    train_rows, eos = tasks.load_task(cfg)[0], models.stop_ids(model, tok)
     rng, gen = random.Random(cfg.seed), torch.Generator().manual_seed(cfg.seed)
     B, pairs, none_groups = cfg.prompts_per_step, [], 0
     if args.batches * B > len(train_rows):
-        P.die(f"--batches {args.batches} needs {args.batches * B} training questions; {cfg.task} has "
+        machinery.die(f"--batches {args.batches} needs {args.batches * B} training questions; {cfg.task} has "
               f"{len(train_rows)}: use --batches {len(train_rows) // B} or fewer")
     for k in tqdm(range(args.batches), desc="batches"):
         ro = S.rollout(model, tok, cfg, train_rows[k * B:(k + 1) * B], gen, eos)
@@ -67,12 +67,12 @@ def main():
         if not bool((batch.ref >= 0).any()):
             continue
         S.self_condition(model, tok, cfg, ro, batch)
-        none_groups += routes.count("none")
+        none_groups += routes.count("solve_none")
         lengths = ro.lengths.view(-1)
         pairs += [(float(batch.adv[m]), int(lengths[batch.row[m]])) for m, route in enumerate(batch.route)
-                  if route == "none"]
+                  if route == "solve_none"]
     if len(pairs) < 2 or len({a for a, _ in pairs}) < 2:
-        P.die(f"only {len(pairs)} solve-none answers with distinct advantages in {args.batches} batches; "
+        machinery.die(f"only {len(pairs)} solve-none answers with distinct advantages in {args.batches} batches; "
               "use more --batches")
     adv, length = [a for a, _ in pairs], [n for _, n in pairs]
     up = [n for a, n in pairs if a > 0]

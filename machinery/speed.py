@@ -1,12 +1,21 @@
 """
-The fast paths of scgrpo.py. Each function here computes what a plain PyTorch line in scgrpo.py
-computes, in less time or memory; the plain line is quoted in its docstring, scgrpo.py runs it
-with --fast false, and test_scgrpo.py holds the two equal. Nothing here changes the method.
+The fast paths of scgrpo.py. Each function here computes what plain PyTorch lines in scgrpo.py
+compute, in less time or memory; the plain lines are quoted in its docstring, scgrpo.py runs
+them unless --fast is on, and test_scgrpo.py holds the two equal. Nothing here changes the method.
+scgrpo.py calls three of them, each in place of the plain lines of its namesake there:
 
-  sample                 KV-cache sampler, inverse-CDF draws; keeps the student's states
-                         (hidden state, log-normaliser) at every answer position for the teacher
+  sample                 KV-cache sampler with inverse-CDF draws (plainly: the whole sequence
+                         re-run each step, torch.multinomial); in fp32 it keeps the student's
+                         states (hidden state, log-normaliser) at every answer position
+  answer_logprobs        the update's log-probs (plainly: log_softmax(full logits).gather)
+  teacher_kl             the teacher's D (plainly: two full forwards and F.kl_div), whose
+                         student side comes from the sampler's states when it kept them
+
+built from:
+
   shared_prefix_hidden   the beginning all prompts share is prefilled once, each distinct prompt
                          once, then the answers, over one KV cache (the update and the teacher)
+  completion_hidden      one forward per answer (the update under activation checkpointing)
   head_logprobs          log_softmax(h @ W.T / T).gather(...) one vocabulary block at a time,
                          with a hand-written backward: no (tokens, V) matrix
   head_kl, head_lse      the teacher's KL and the log-normaliser, likewise in blocks
@@ -16,7 +25,9 @@ import os
 
 import torch
 
-from plumbing import autocast, left_pad
+from machinery.batching import distinct, left_pad
+from machinery.models import autocast
+
 
 def sample_tokens(logits, temperature, gen):
     """Exact sampling from softmax(logits / T) by inverse CDF (7x faster than multinomial at a
@@ -231,3 +242,38 @@ def head_kl(h_t, h_s, lse_s, head, temperature, block=None):
     dot = ((w_sum / s[:, None]) * (h_t.float() - h_s.float())).sum(-1) / temperature
     return (dot + (lse_s - lse_t)).clamp_min_(0.0)  # clamp rounding below 0
 
+
+
+def answer_logprobs(model, prompts, groups, comp_ids, resp_mask, temperature, checkpointing):
+    """scgrpo.answer_logprobs's plain lines,
+        log_softmax(model(prompt + answer).logits / T).gather(-1, answer ids),
+    with one prefill per group (none under activation checkpointing, which drops the KV cache)
+    and the LM head in vocabulary blocks with no (n, V) matrix. prompts: every group's;
+    groups (b,): each answer's group. -> (b, L), 0 outside resp_mask."""
+    keys, prompt_of = distinct(groups, comp_ids.device)
+    if checkpointing:
+        h = completion_hidden(model, [prompts[g] for g in groups], comp_ids, resp_mask)
+    else:
+        h = shared_prefix_hidden(model, [prompts[g] for g in keys], prompt_of, comp_ids, resp_mask)
+    lp = head_logprobs(model.get_output_embeddings(), h, comp_ids[resp_mask], temperature)  # (n,)
+    return torch.zeros(resp_mask.shape, device=comp_ids.device).masked_scatter(resp_mask, lp)
+
+
+@torch.no_grad()
+def teacher_kl(model, ro, rows, teacher_prompts, prompt_of, comp_ids, resp_mask, temperature):
+    """scgrpo.teacher_kl's plain lines (a student and a teacher forward, F.kl_div over the
+    vocabulary), with one prefill per distinct prompt and no (n, V) matrix. In fp32 the
+    student's side comes from the states the sampler kept (ro.hidden, ro.lse: the same weights
+    computed them, scgrpo.py's note 2); under bf16 it is a full forward of the student's prompt
+    and answer, as the teacher gets. Arguments as scgrpo.teacher_kl's. -> D (n,)"""
+    G, head = ro.correct.shape[1], model.get_output_embeddings()
+    if ro.hidden is not None:  # the student's states (n, H) and log-normalisers (n,)
+        L = resp_mask.shape[1]
+        h_s, lse_s = ro.hidden[rows, :L][resp_mask], ro.lse[rows, :L][resp_mask]
+    else:
+        groups, of = distinct((rows // G).tolist(), comp_ids.device)
+        h_s = shared_prefix_hidden(model, [ro.prompts[g] for g in groups], of, comp_ids,
+                                   resp_mask)
+        lse_s = head_lse(h_s, head, temperature)
+    h_t = shared_prefix_hidden(model, teacher_prompts, prompt_of, comp_ids, resp_mask)  # (n, H)
+    return head_kl(h_t, h_s, lse_s, head, temperature)

