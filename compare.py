@@ -81,6 +81,18 @@ def lr_matched(results, flags):
     return ["--lr", f"{lr * factor:.3g}"]
 
 
+def code_bytes():
+    """The code a run executes: scgrpo.py and every file of machinery/, in a fixed order (the
+    method moved part of its machinery there, which changes what a run computes just as well)."""
+    names = ["scgrpo.py"] + sorted(os.path.join("machinery", n) for n in
+                                   os.listdir(os.path.join(HERE, "machinery")) if n.endswith(".py"))
+    out = b""
+    for name in names:
+        with open(os.path.join(HERE, name), "rb") as f:
+            out += name.encode() + b"\0" + f.read()
+    return out
+
+
 def last_flag(flags, name):
     """The value of the last `name` in a scgrpo.py flag list (the one that wins), or None."""
     at = [i for i, f in enumerate(flags) if f == name]
@@ -110,8 +122,7 @@ def run_one(arm, seed, out_root, flags):
     algo = ARMS[arm][0]
     out = os.path.join(out_root, f"{arm}-s{seed}")
     metrics, stamp = os.path.join(out, "metrics.jsonl"), os.path.join(out, "fingerprint.txt")
-    with open(os.path.join(HERE, "scgrpo.py"), "rb") as f:
-        fingerprint = hashlib.sha256(f.read() + repr(flags).encode()).hexdigest()
+    fingerprint = hashlib.sha256(code_bytes() + repr(flags).encode()).hexdigest()
     saved = ""
     if os.path.isfile(os.path.join(out, "final", "config.json")) and os.path.isfile(stamp):
         with open(stamp) as f:

@@ -57,15 +57,8 @@ def select_groups(ro, groups):
     keep those questions' answers. None stays None."""
     B, G = ro.correct.shape
     rows = [b * G + i for b in groups for i in range(G)]
-    picked = {}
-    for f in dataclasses.fields(ro):
-        v = getattr(ro, f.name)
-        keep = groups if v is None or len(v) == B else rows
-        if v is None or isinstance(v, list):
-            picked[f.name] = v if v is None else [v[k] for k in keep]
-        else:
-            picked[f.name] = v[torch.tensor(keep, dtype=torch.long, device=v.device)]
-    return type(ro)(**picked)
+    return type(ro)(**{f.name: pick(v, groups if v is None or len(v) == B else rows)
+                       for f in dataclasses.fields(ro) for v in [getattr(ro, f.name)]})
 
 
 def pack(ro, rows, n_tokens=None):
@@ -82,5 +75,12 @@ def pack(ro, rows, n_tokens=None):
 def take_rows(batch, k):
     """The rows k (a long tensor of indices) of a dataclass of per-row fields: tensors indexed
     along dim 0, lists picked entry by entry."""
-    return type(batch)(**{f.name: [v[i] for i in k.tolist()] if isinstance(v, list) else v[k]
-                          for f in dataclasses.fields(batch) for v in [getattr(batch, f.name)]})
+    return type(batch)(**{f.name: pick(v, k.tolist()) for f in dataclasses.fields(batch)
+                          for v in [getattr(batch, f.name)]})
+
+
+def pick(v, idx):
+    """Entries idx (a list of ints) of a list or of a tensor along dim 0; None stays None."""
+    if v is None or isinstance(v, list):
+        return v if v is None else [v[i] for i in idx]
+    return v[torch.tensor(idx, dtype=torch.long, device=v.device)]
