@@ -19,7 +19,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import machinery
 from machinery import batching, cli, credit, models, runs, speed, tasks
 import scgrpo as S
 
@@ -1007,7 +1006,8 @@ def train_lines(out, after=0):
 
 
 def test_sigint_then_resume_equals_an_uninterrupted_run(tmp_path):
-    args = ["--algo", "scgrpo", "--steps", "120", "--eval-every", "1000", "--eval-k", "0", "--seed", "3"]
+    args = ["--algo", "scgrpo", "--steps", "120", "--eval-every", "1000", "--eval-k", "0", "--seed", "3",
+            "--fast", "true"]  # the path that resumes the sampler states too
     ref = str(tmp_path / "ref")
     assert run(*args, "--out", ref, env=ONE_THREAD).returncode == 0
     out = str(tmp_path / "cut")
@@ -1031,7 +1031,7 @@ def test_sigint_then_resume_equals_an_uninterrupted_run(tmp_path):
 
 
 def test_resume_with_more_steps_equals_one_long_run(tmp_path):
-    args = ["--algo", "grpo", "--eval-every", "1000", "--eval-k", "0", "--seed", "5"]
+    args = ["--algo", "grpo", "--eval-every", "1000", "--eval-k", "0", "--seed", "5", "--fast", "true"]
     long_, short = str(tmp_path / "long"), str(tmp_path / "short")
     assert run(*args, "--steps", "40", "--out", long_, env=ONE_THREAD).returncode == 0
     assert run(*args, "--steps", "25", "--out", short, env=ONE_THREAD).returncode == 0

@@ -23,7 +23,8 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from machinery import cli  # noqa: E402
+import machinery  # noqa: E402
+from machinery import cli, models, tasks  # noqa: E402
 import scgrpo as S  # noqa: E402
 
 
