@@ -1437,6 +1437,127 @@ def test_eq5_length_tool_reports_the_correlations_of_its_own_pairs(tmp_path):
     assert max(abs(a) for a in adv) <= 0.1 * math.sqrt(G - 2) + 1e-6  # alpha * the largest z-score of G-1
 
 
+# ----------------------------------------------------------------------------- tracking, curves, compare.py's cache, strict flags
+# tracking.py (--report-to), tools/plot.py, compare.py keeping stale runs, and the command lines of
+# compare.py and bench.py (issue 25).
+
+# real records: a SmolLM2 SC-GRPO run of the ablation study, training and evaluation lines together
+LOGGED_RUN = os.path.join(HERE, "docs", "ablation", "run_logs", "scgrpo-s0")
+
+
+def numeric_fields(record):
+    """What a tracker must log of a metrics.jsonl line: every number but the step (bools as 0/1)."""
+    return {k: float(v) for k, v in record.items() if k != "step" and type(v) in (int, float, bool)}
+
+
+def logged_by_step(records):
+    """{(key, step): value} that the records ask a tracker to log."""
+    return {(k, r["step"]): v for r in records for k, v in numeric_fields(r).items()}
+
+
+def track(report_to, out, records):
+    import tracking
+    tracker = tracking.make_tracker(report_to, str(out), "test-run", {"algo": "scgrpo", "lr": 2e-5})
+    for r in records:
+        tracker.log(r, r["step"])
+    tracker.close()
+
+
+def test_tensorboard_tracker_logs_every_number_of_metrics_jsonl_at_its_step(tmp_path):
+    """The event files, read back with TensorBoard's own reader, hold every numeric field of every
+    metrics.jsonl line at its step (float32, TensorBoard's scalar type), and nothing else."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    records = read_metrics(LOGGED_RUN)
+    assert any("eval_greedy_acc" in r for r in records) and any(r.get("nonfinite") is False for r in records)
+    track("tensorboard", tmp_path, records)
+    acc = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"scalars": 0})
+    acc.Reload()
+    got = {(tag, e.step): e.value for tag in acc.Tags()["scalars"] for e in acc.Scalars(tag)}
+    want = {key: float(torch.tensor(v, dtype=torch.float32)) for key, v in logged_by_step(records).items()}
+    assert got == want
+    assert '"lr": 2e-05' in acc.Tensors("config/text_summary")[0].tensor_proto.string_val[0].decode()
+
+
+def wandb_history(run_dir):
+    """{(key, step): value} of the history records in an offline W&B run's .wandb file. The file:
+    a 7-byte header (':W&B', magic, version), then LevelDB's log format (32 KiB blocks; each chunk
+    a 7-byte header: crc32 (4), length (2), type (1: whole, 2: first, 3: middle, 4: last)); each
+    record a wandb_internal_pb2.Record (wandb's own protobuf). Steps come from history.step."""
+    import glob
+    import struct
+    from wandb.proto import wandb_internal_pb2
+    (path,) = glob.glob(os.path.join(run_dir, "wandb", "offline-run-*", "run-*.wandb"))
+    data, pos, chunks, records = open(path, "rb").read(), 7, b"", []
+    assert data[:4] == b":W&B"
+    while pos + 7 <= len(data):
+        if 32768 - pos % 32768 < 7:  # a block's tail too short for a header is zero padding
+            pos += 32768 - pos % 32768
+            continue
+        _, n, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        chunk, pos = data[pos + 7:pos + 7 + n], pos + 7 + n
+        chunks = chunk if kind in (1, 2) else chunks + chunk
+        if kind in (1, 4):
+            records.append(wandb_internal_pb2.Record.FromString(chunks))
+    history = {}
+    for rec in records:
+        if rec.WhichOneof("record_type") == "history":
+            for item in rec.history.item:
+                key = item.key or "/".join(item.nested_key)
+                if not key.startswith("_"):  # wandb's own _step, _runtime, _timestamp
+                    history[(key, rec.history.step.num)] = json.loads(item.value_json)
+    return history
+
+
+def test_wandb_tracker_offline_logs_every_number_of_metrics_jsonl_at_its_step(tmp_path, monkeypatch):
+    """WANDB_MODE=offline: the run's .wandb file (read back record by record) holds every numeric
+    field of every metrics.jsonl line at its step, exactly, and the run's config."""
+    for var in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR"):
+        monkeypatch.setenv(var, str(tmp_path / "wandb-home"))  # nothing outside tmp_path
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    records = read_metrics(LOGGED_RUN)
+    track("wandb", tmp_path, records)
+    assert wandb_history(str(tmp_path)) == logged_by_step(records)
+
+
+def test_trackio_tracker_logs_every_number_of_metrics_jsonl_at_its_step(tmp_path):
+    """Trackio's local database (TRACKIO_DIR, read when trackio is imported: so in a subprocess)
+    holds every numeric field of every metrics.jsonl line at its step."""
+    code = ("import json, sys, test_scgrpo as T\n"
+            "T.track('trackio', sys.argv[1], T.read_metrics(T.LOGGED_RUN))\n"
+            "from trackio.sqlite_storage import SQLiteStorage\n"
+            "print(json.dumps(SQLiteStorage.get_logs('scgrpo', 'test-run')))")
+    env = {**ONE_THREAD, "TRACKIO_DIR": str(tmp_path / "trackio"), "HF_HUB_OFFLINE": "1"}
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=300,
+                       cwd=HERE, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    logs = json.loads(r.stdout.splitlines()[-1])
+    got = {(k, row["step"]): v for row in logs for k, v in row.items() if k not in ("step", "timestamp")}
+    assert got == logged_by_step(read_metrics(LOGGED_RUN))
+
+
+@pytest.mark.parametrize("report_to", ["tensorboard", "wandb", "trackio"])
+def test_tracker_without_its_package_says_how_to_install_it_in_one_line(report_to, tmp_path, monkeypatch, capsys):
+    """A chosen tracker whose package is missing (its import made to fail): one line with the
+    pinned install command, exit 2, nothing written; `none` needs no package at all."""
+    import tracking
+    monkeypatch.setitem(sys.modules, report_to, None)  # `import <report_to>` now raises ImportError
+    for call in (lambda: tracking.check(report_to), lambda: tracking.make_tracker(report_to, str(tmp_path), "r", {})):
+        with pytest.raises(SystemExit) as e:
+            call()
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert err == (f"error: --report-to {report_to} needs the {report_to} package: "
+                       f"pip install {tracking.PINS[report_to]}\n")
+    assert os.listdir(tmp_path) == []
+    with open(os.path.join(HERE, "requirements-track.txt")) as f:
+        assert tracking.PINS[report_to] in f.read().split()
+    tracker = tracking.make_tracker("none", str(tmp_path), "r", {})
+    tracker.log({"step": 1, "reward_mean": 0.5}, 1)
+    tracker.close()
+    assert os.listdir(tmp_path) == []
+
+
 # ----------------------------------------------------------------------------- SC-GRPO on TRL's GRPOTrainer
 
 
