@@ -2,8 +2,8 @@
 Compare GRPO, DAPO, SC-GRPO and variants of it ("arms": an algorithm plus scgrpo.py flags) with
 the same budget over several seeds: Markdown tables of mean +- std over seeds (final greedy
 accuracy, Avg@8, Pass@8, steps to a target accuracy; the share of groups per route, mean f(D),
-median kl_p75, how far the weights moved) and, with --plot, a PNG of held-out greedy accuracy
-against step.
+median kl_p75, how far the weights moved) and, with --plot, a picture of training reward and
+held-out greedy accuracy against step (tools/plot.py, which draws any run's curves too).
 
     python compare.py                               # tiny / arith, 5 seeds: 8-12 minutes
     python compare.py --study smollm2 --plot runs/compare-smollm2/curve.png   # real model, 3 seeds: 49 min
@@ -13,8 +13,10 @@ against step.
 Each run is scgrpo.py in its own process with one thread, `--jobs` at a time, so the numbers
 repeat for the same seeds on the same machine. Runs land in <out>/<arm>-s<seed>; a finished
 run is read back instead of re-run, but only if scgrpo.py and the flags are unchanged since it
-ran (a fingerprint of both is saved with it). --report copies each run's small files (logs,
-final evaluation) and the tables into a folder, for docs/.
+ran (a fingerprint of both is saved with it). A folder holding anything else is never deleted:
+it is named in one line and the run goes to <arm>-s<seed>-v2 (-v3, ...) beside it, unless
+--rerun-stale asks to replace it. --report copies each run's small files (logs, final
+evaluation) and the tables into a folder, for docs/.
 """
 import argparse
 import hashlib

@@ -1227,8 +1227,8 @@ def bf16_rounding_kl_p95(model, ro, temperature, n=8):
     p_ids, p_mask = P.left_pad([ro.prompts[k // G] for k in range(n)], 0, ro.ids.device)
     ids, mask = ro.ids[:n], ro.mask[:n]
     attn = torch.cat([p_mask, mask.long()], 1)
-    kw = dict(input_ids=torch.cat([p_ids, ids], 1), attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0),
-              output_hidden_states=True)
+    kw = dict(input_ids=torch.cat([p_ids, ids], 1), attention_mask=attn,
+              position_ids=(attn.cumsum(-1) - 1).clamp(min=0), output_hidden_states=True)
     head, logp = model.get_output_embeddings(), []
     for dtype in (None, torch.bfloat16):
         with torch.no_grad(), torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext():
@@ -1475,7 +1475,7 @@ def test_eq5_length_tool_reports_the_correlations_of_its_own_pairs(tmp_path):
     assert max(abs(a) for a in adv) <= 0.1 * math.sqrt(G - 2) + 1e-6  # alpha * the largest z-score of G-1
 
 
-# ----------------------------------------------------------------------------- tracking, curves, compare.py's cache, strict flags
+# ----------------------------------------------------------------------------- tracking, curves, stale runs, flags
 # tracking.py (--report-to), tools/plot.py, compare.py keeping stale runs, and the command lines of
 # compare.py and bench.py (issue 25).
 
@@ -1566,8 +1566,8 @@ def test_trackio_tracker_logs_every_number_of_metrics_jsonl_at_its_step(tmp_path
             "from trackio.sqlite_storage import SQLiteStorage\n"
             "print(json.dumps(SQLiteStorage.get_logs('scgrpo', 'test-run')))")
     env = {**ONE_THREAD, "TRACKIO_DIR": str(tmp_path / "trackio"), "HF_HUB_OFFLINE": "1"}
-    r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT,
-                       cwd=HERE, env=env)
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True,
+                       timeout=SUBPROCESS_TIMEOUT, cwd=HERE, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
     logs = json.loads(r.stdout.splitlines()[-1])
     got = {(k, row["step"]): v for row in logs for k, v in row.items() if k not in ("step", "timestamp")}
