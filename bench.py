@@ -1,11 +1,12 @@
-"""
+r"""
 Speed and memory of one training step: our GRPO, our SC-GRPO, and TRL's GRPOTrainer, with the
 same model, prompts, group size, answer length, temperature and reward.
 
     python bench.py --model random:qwen-tiny                    # TRL too: needs requirements-bench.txt
-    python bench.py --model random:qwen2.5-0.5b --prompts 1 --group 8 --max-new 128 --impls scgrpo
-    python bench.py --model SmolLM2-135M --data data/addition --prompts 4 --max-new 64 --micro-batch 16 \
-        --impls scgrpo scgrpo@bf16                                                   # bf16 vs fp32 on a CPU
+    python bench.py --model random:qwen2.5-0.5b --prompts-per-step 1 --group-size 8 --max-new-tokens 128 \
+        --impls scgrpo
+    python bench.py --model SmolLM2-135M --data data/addition --prompts-per-step 4 --max-new-tokens 64 \
+        --micro-batch 16 --impls scgrpo scgrpo@bf16                                 # bf16 vs fp32 on a CPU
     python bench.py --gpu-check                  # on a lent GPU: the CUDA-only paths, pass/fail, < 5 min
     python bench.py --gpu-check --small --device cpu    # the same script at toy sizes, on a CPU (a test)
 
@@ -85,8 +86,8 @@ def run_ours(args, impl):
     S.verify = coin_reward  # the same reward as TRL's below
     algo, _, dtype = impl.partition("@")
     cfg = S.Config(model=args.model, task="gsm8k" if args.data else "addition", data=args.data or "",
-                   algo=algo, prompts_per_step=args.prompts,
-                   group_size=args.group, max_new_tokens=args.max_new, micro_batch=args.micro_batch,
+                   algo=algo, prompts_per_step=args.prompts_per_step,
+                   group_size=args.group_size, max_new_tokens=args.max_new_tokens, micro_batch=args.micro_batch,
                    grad_checkpoint=args.grad_checkpoint, lr=1e-6, seed=0, device=args.device)
     device = models.pick_device(cfg.device)
     train_rows, _ = tasks.load_task(cfg)
@@ -118,7 +119,7 @@ def run_trl(args, sc=False):
     from trl import GRPOConfig, GRPOTrainer
     train_rows, _ = tasks.load_task(S.Config(task="gsm8k" if args.data else "addition", data=args.data or ""))
     prompts = [[{"role": "system", "content": S.SYSTEM_PROMPT}, {"role": "user", "content": r["question"]}]
-               for r in train_rows[:args.prompts * (args.steps + 2)]]
+               for r in train_rows[:args.prompts_per_step * (args.steps + 2)]]
     rewards_seen = []
 
     def reward_fn(completions, **kw):
@@ -135,9 +136,9 @@ def run_trl(args, sc=False):
 
     device = models.pick_device(args.device)
     config = GRPOConfig(
-        output_dir=tempfile.mkdtemp(), per_device_train_batch_size=args.micro_batch, num_generations=args.group,
-        gradient_accumulation_steps=args.prompts * args.group // args.micro_batch,
-        gradient_checkpointing=args.grad_checkpoint, max_completion_length=args.max_new, temperature=1.0, top_p=1.0, top_k=0,
+        output_dir=tempfile.mkdtemp(), per_device_train_batch_size=args.micro_batch, num_generations=args.group_size,
+        gradient_accumulation_steps=args.prompts_per_step * args.group_size // args.micro_batch,
+        gradient_checkpointing=args.grad_checkpoint, max_completion_length=args.max_new_tokens, temperature=1.0, top_p=1.0, top_k=0,
         beta=0.0, num_iterations=1, loss_type="grpo", learning_rate=1e-6, max_steps=args.steps + 1, logging_steps=1,
         report_to="none", save_strategy="no", use_cpu=device.type == "cpu", bf16=device.type == "cuda",
         chat_template_kwargs={"enable_thinking": False}, seed=0, shuffle_dataset=False)
@@ -247,9 +248,9 @@ def rescore_cost(args):
     x 8 answers, 3 of them taken as correct (partial-solve groups), the median of 3 timings."""
     model, tok = models.load_model(args.model, 0)
     model.eval().autocast_dtype = torch.bfloat16
-    cfg = S.Config(algo="scgrpo", group_size=args.group, max_new_tokens=args.max_new,
+    cfg = S.Config(algo="scgrpo", group_size=args.group_size, max_new_tokens=args.max_new_tokens,
                    temperature=0.8, micro_batch=args.micro_batch)
-    rows = tasks.load_task(S.Config(task="gsm8k" if args.data else "addition", data=args.data or ""))[0][:args.prompts]
+    rows = tasks.load_task(S.Config(task="gsm8k" if args.data else "addition", data=args.data or ""))[0][:args.prompts_per_step]
     prompts = [S.encode_prompt(tok, r["question"]) for r in rows]
     ids, mask, h, lse = speed.sample(model, prompts, cfg.group_size, cfg.max_new_tokens, 0.8,
                                  models.stop_ids(model, tok), tok.pad_token_id or 0,
@@ -272,29 +273,100 @@ def rescore_cost(args):
         print(f"KL floor under bf16, student from {name}: P50 {st['kl_p50']:.2e}, P95 {st['kl_p95']:.2e}")
 
 
+OURS = ("grpo", "scgrpo", "dapo")
+IMPLS = [*OURS, *(f"{a}@bf16" for a in OURS), "trl", "trl-scgrpo"]
+
+
+def die(msg):
+    """Bad input costs one line and exit code 2, never a traceback (nothing is written before)."""
+    print(f"error: {msg}", file=sys.stderr)
+    sys.exit(2)
+
+
+RENAMED = {"--prompts": "--prompts-per-step", "--group": "--group-size", "--max-new": "--max-new-tokens"}
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line and exit 2, not the usage text
+        old = [f"{a} is now {b}, as in scgrpo.py" for a, b in RENAMED.items() if a in message.split()]
+        die(f"{message} ({'; '.join(old) or 'see --help'})")
+
+
+class Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The docstring as written, and each flag's default after its help (none for a flag without one)."""
+
+    def _get_help_string(self, action):
+        if isinstance(action.default, list):  # as typed on the command line, not a Python list
+            return f"{action.help} (default: {' '.join(action.default)})"
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
+def at_least(low):
+    """An argparse type: an integer >= low, named in the error (argparse adds the flag and value)."""
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value} is below {low}; use {low} or more")
+        return value
+    parse.__name__ = f"integer >= {low}"
+    return parse
+
+
+def check_args(args):
+    """What the parser cannot check alone, before any model folder or process exists."""
+    if args.gpu_check:
+        return  # --gpu-check builds its own model and batch; the other flags but --device don't apply
+    if not args.model:
+        die("--model is needed (random:ARCH, SmolLM2-135M or a model folder), or pass --gpu-check")
+    arch = args.model.split(":", 1)[1] if args.model.startswith("random:") else None
+    if arch is not None and arch not in SHAPES:
+        die(f"--model random:{arch}: unknown shape; use one of {', '.join('random:' + a for a in SHAPES)}")
+    if arch is None and args.model != "SmolLM2-135M" and not os.path.isfile(os.path.join(args.model, "config.json")):
+        die(f"--model {args.model}: no model folder there (no config.json); use random:ARCH, SmolLM2-135M or a "
+            "folder written by save_pretrained")
+    if args.data and not all(os.path.isfile(os.path.join(args.data, f"{n}.jsonl")) for n in ("train", "test")):
+        die(f"--data {args.data}: needs train.jsonl and test.jsonl there (GSM8K schema); leave it out for the "
+            "built-in addition task")
+    answers = args.prompts_per_step * args.group_size
+    if answers % args.micro_batch:
+        die(f"--micro-batch {args.micro_batch} does not divide --prompts-per-step x --group-size = {answers} (TRL "
+            "accumulates whole micro-batches); use a divisor of it")
+    if len(set(args.impls)) < len(args.impls):
+        die(f"--impls {' '.join(args.impls)} names one twice; name each once")
+
+
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # allow_abbrev=False: a flag is its full name (a prefix such as --group is an error, not --group-size)
+    ap = Parser(description=__doc__, formatter_class=Help, allow_abbrev=False)
     ap.add_argument("--model", help="random:ARCH (a random model of a SHAPES shape), SmolLM2-135M or a folder")
-    ap.add_argument("--data", help="folder with train.jsonl/test.jsonl (GSM8K schema); default: the addition task")
-    ap.add_argument("--gpu-check", action="store_true", help="check the GPU-only paths (see gpu_check)")
-    ap.add_argument("--small", action="store_true", help="--gpu-check at toy sizes (to test it on a CPU)")
-    ap.add_argument("--rescore-cost", action="store_true", help="bf16: teacher phase with and without "
-                    "re-scoring the student (see rescore_cost)")
-    ap.add_argument("--prompts", type=int, default=8, help="prompts per step")
-    ap.add_argument("--group", type=int, default=8, help="answers per prompt (G)")
-    ap.add_argument("--max-new", type=int, default=32, help="answer length cap")
-    ap.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step")
-    ap.add_argument("--micro-batch", type=int, default=64, help="answers per forward/backward (divides prompts x group)")
-    ap.add_argument("--grad-checkpoint", action="store_true", help="recompute layers in backward (both implementations)")
-    ap.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    ap.add_argument("--impls", nargs="+", default=["grpo", "scgrpo", "trl"],
-                    help="what to run: grpo, scgrpo, dapo, trl, trl-scgrpo; @bf16 after ours: bf16 autocast")
+    ap.add_argument("--data", help="folder with train.jsonl/test.jsonl (GSM8K schema); without it, the addition task")
+    ap.add_argument("--gpu-check", action=argparse.BooleanOptionalAction, default=False,
+                    help="check the GPU-only paths (see gpu_check)")
+    ap.add_argument("--small", action=argparse.BooleanOptionalAction, default=False,
+                    help="--gpu-check at toy sizes (to test it on a CPU)")
+    ap.add_argument("--rescore-cost", action=argparse.BooleanOptionalAction, default=False,
+                    help="bf16: teacher phase with and without re-scoring the student (see rescore_cost)")
+    # the same names as scgrpo.py's flags for the same settings
+    ap.add_argument("--prompts-per-step", metavar="N", type=at_least(1), default=8, help="prompts per step")
+    ap.add_argument("--group-size", metavar="N", type=at_least(2), default=8, help="answers per prompt (G)")
+    ap.add_argument("--max-new-tokens", metavar="N", type=at_least(1), default=32, help="answer length cap (tokens)")
+    ap.add_argument("--steps", metavar="N", type=at_least(1), default=3, help="timed steps after one warm-up step")
+    ap.add_argument("--micro-batch", metavar="N", type=at_least(1), default=64,
+                    help="answers per forward/backward (divides prompts-per-step x group-size)")
+    ap.add_argument("--grad-checkpoint", action=argparse.BooleanOptionalAction, default=False,
+                    help="recompute layers in backward (all implementations)")
+    ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="where to run")
+    ap.add_argument("--impls", nargs="+", choices=IMPLS, default=["grpo", "scgrpo", "trl"], metavar="IMPL",
+                    help=f"what to run, each in its own process: {', '.join(IMPLS)} (@bf16: ours under bf16 "
+                    "autocast)")
     ap.add_argument("--only", default="", help=argparse.SUPPRESS)  # internal: run one impl, print JSON
     args = ap.parse_args()
+    check_args(args)
     if args.gpu_check:
         sys.exit(gpu_check(args))
-    if not args.model:
-        ap.error("--model is needed (or --gpu-check)")
     if args.model.startswith("random:"):  # built once here; the subprocesses read the folder
         folder = tempfile.mkdtemp(prefix="bench-model-")
         write_random_model(args.model.split(":", 1)[1], folder)
@@ -316,7 +388,7 @@ def main():
         results[impl] = json.loads(line[0][len("RESULT "):])
         print(f"{impl}: {results[impl]}", file=sys.stderr)
     fmt = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
-    print(f"\n{args.prompts} prompts x {args.group} answers x {args.max_new} new tokens, micro-batch {args.micro_batch}, "
+    print(f"\n{args.prompts_per_step} prompts x {args.group_size} answers x {args.max_new_tokens} new tokens, micro-batch {args.micro_batch}, "
           f"grad checkpoint {args.grad_checkpoint}, model {args.model}\n")
     print("| impl | s/step (median) | generate | teacher + KL | update | peak GiB | reward mean |")
     print("|---|---|---|---|---|---|---|")

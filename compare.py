@@ -2,8 +2,8 @@
 Compare GRPO, DAPO, SC-GRPO and variants of it ("arms": an algorithm plus scgrpo.py flags) with
 the same budget over several seeds: Markdown tables of mean +- std over seeds (final greedy
 accuracy, Avg@8, Pass@8, steps to a target accuracy; the share of groups per route, mean f(D),
-median kl_p75, how far the weights moved) and, with --plot, a PNG of held-out greedy accuracy
-against step.
+median kl_p75, how far the weights moved) and, with --plot, a picture of training reward and
+held-out greedy accuracy against step (tools/plot.py, which draws any run's curves too).
 
     python compare.py                               # tiny / arith, 5 seeds: 8-12 minutes
     python compare.py --study smollm2 --plot runs/compare-smollm2/curve.png   # real model, 3 seeds: 49 min
@@ -13,11 +13,14 @@ against step.
 Each run is scgrpo.py in its own process with one thread, `--jobs` at a time, so the numbers
 repeat for the same seeds on the same machine. Runs land in <out>/<arm>-s<seed>; a finished
 run is read back instead of re-run, but only if scgrpo.py and the flags are unchanged since it
-ran (a fingerprint of both is saved with it). --report copies each run's small files (logs,
-final evaluation) and the tables into a folder, for docs/.
+ran (a fingerprint of both is saved with it). A folder holding anything else is never deleted:
+it is named in one line and the run goes to <arm>-s<seed>-v2 (-v3, ...) beside it, unless
+--rerun-stale asks to replace it. --report copies each run's small files (logs, final
+evaluation) and the tables into a folder, for docs/.
 """
 import argparse
 import hashlib
+import importlib.util
 import json
 import os
 import re
@@ -116,26 +119,63 @@ def die(msg):
     sys.exit(2)
 
 
-def run_one(arm, seed, out_root, flags):
+def read_text(path):
+    """A small file's text, or None if there is no such file."""
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return f.read()
+
+
+def run_folder(arm, seed, out_root, fingerprint, rerun_stale):
+    """-> (the folder for one run, whether it must run). A finished run with this fingerprint is
+    read back. A folder holding anything else (a run of other code or flags, an unfinished run, a
+    user's files) is never deleted unless --rerun-stale asks: it is named in one line and the run
+    goes to the next free <arm>-s<seed>-vN beside it (which a later study of the same code and flags
+    reads back). Only this study's own unfinished attempt at the same run (started.txt holds this
+    fingerprint) is removed and re-run: the same code, flags and seed redo it exactly."""
+    base, stale = os.path.join(out_root, f"{arm}-s{seed}"), None
+    for n in range(1, 1000):
+        out = base if n == 1 else f"{base}-v{n}"
+        done, started = read_text(os.path.join(out, "fingerprint.txt")), read_text(os.path.join(out, "started.txt"))
+        finished = done is not None and os.path.isfile(os.path.join(out, "final", "config.json"))
+        if finished and done == fingerprint:
+            return out, False
+        if os.path.exists(out) and not finished and started == fingerprint:
+            shutil.rmtree(out)  # our own interrupted attempt at this very run
+        if not os.path.exists(out):
+            if stale:
+                print(f"note: {base} holds {stale}; kept, and this run goes to {out} (--rerun-stale would "
+                      f"replace {base} instead)", file=sys.stderr)
+            return out, True
+        what = ("a finished run of other code or flags (its fingerprint differs)" if finished else
+                "no finished run of this code and flags")
+        if rerun_stale and n == 1:
+            print(f"note: {out} holds {what}; replacing it (--rerun-stale)", file=sys.stderr)
+            shutil.rmtree(out)
+            return out, True
+        stale = stale or what
+    die(f"{base} and the 998 -vN folders beside it are all taken; pass another --out")
+
+
+def run_one(arm, seed, out_root, flags, rerun_stale=False):
     """One run of scgrpo.py (or its saved results) -> a dict of what the tables need. flags: the
     study's and the arm's scgrpo.py flags."""
     algo = ARMS[arm][0]
-    out = os.path.join(out_root, f"{arm}-s{seed}")
-    metrics, stamp = os.path.join(out, "metrics.jsonl"), os.path.join(out, "fingerprint.txt")
     fingerprint = hashlib.sha256(code_bytes() + repr(flags).encode()).hexdigest()
-    saved = ""
-    if os.path.isfile(os.path.join(out, "final", "config.json")) and os.path.isfile(stamp):
-        with open(stamp) as f:
-            saved = f.read()
-    if saved != fingerprint:  # not run yet, unfinished, or run by other code or flags
-        shutil.rmtree(out, ignore_errors=True)
+    out, fresh = run_folder(arm, seed, out_root, fingerprint, rerun_stale)
+    metrics = os.path.join(out, "metrics.jsonl")
+    if fresh:
+        os.makedirs(out)
+        with open(os.path.join(out, "started.txt"), "w") as f:
+            f.write(fingerprint)
         cmd = [sys.executable, os.path.join(HERE, "scgrpo.py"), "--algo", algo, "--seed", str(seed), "--out", out,
                *flags]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
         r = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if r.returncode != 0:
             sys.exit(f"error: {' '.join(cmd)} failed:\n{r.stderr[-2000:]}")
-        with open(stamp, "w") as f:
+        with open(os.path.join(out, "fingerprint.txt"), "w") as f:
             f.write(fingerprint)
     with open(metrics) as f:
         lines = [json.loads(line) for line in f]
@@ -145,8 +185,8 @@ def run_one(arm, seed, out_root, flags):
         extra = final_eval(out, fingerprint)
         evals[-1].update({k: v for k, v in extra.items() if k not in evals[-1]})
     kl_p75 = [m["kl_p75"] for m in lines if "kl_p75" in m]
-    print(f"{arm:12s} seed {seed}: greedy {evals[0]['eval_greedy_acc']:.3f} -> {evals[-1]['eval_greedy_acc']:.3f}",
-          file=sys.stderr)
+    print(f"{arm:12s} seed {seed}: greedy {evals[0]['eval_greedy_acc']:.3f} -> {evals[-1]['eval_greedy_acc']:.3f}"
+          + ("" if os.path.basename(out) == f"{arm}-s{seed}" else f" ({out})"), file=sys.stderr)
     steps = [m for m in lines if "reward_mean" in m]
     with open(os.path.join(out, "final", "run_config.json")) as f:
         groups = route_counts(steps, json.load(f)["group_size"], algo)
@@ -322,36 +362,24 @@ def weight_change(out, fingerprint):
                       f"measuring the weight change of {out}")["moved"]
 
 
-def plot(results, algos, path, title):
-    """Held-out greedy accuracy against step: the mean over seeds as a line, min..max shaded."""
-    import matplotlib
-    import matplotlib.ticker
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
-    for a in algos:
-        curves = [dict(r["curve"]) for r in results if r["arm"] == a]
-        steps = sorted(set.intersection(*(set(c) for c in curves)))
-        accs = [[c[s] for c in curves] for s in steps]
-        line, = ax.plot(steps, [statistics.mean(x) for x in accs], marker="o", label=f"{a} ({len(curves)} seeds)")
-        ax.fill_between(steps, [min(x) for x in accs], [max(x) for x in accs], color=line.get_color(), alpha=0.15)
-    ax.set(xlabel="training step", ylabel="held-out greedy accuracy", title=title, ylim=(0, 1))
-    evaluated = sorted({s for r in results for s, _ in r["curve"]})
-    if len(evaluated) <= 12:  # a tick at each evaluated step, else integer ticks
-        ax.set_xticks(evaluated)
-    else:
-        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
-    ax.grid(alpha=0.3)
-    ax.legend(loc="upper left")
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path)
+def plot(results, arms, path, title):
+    """Training reward and held-out greedy accuracy against step, drawn by tools/plot.py: per arm
+    the mean over its seeds, min..max shaded; the reward as a running mean of about 4% of the
+    steps (odd; 1, the raw values, up to 49 steps)."""
+    sys.path.insert(0, os.path.join(HERE, "tools"))
+    import plot as curve_tool  # tools/plot.py (this function is named plot too)
+    runs = [r for a in arms for r in results if r["arm"] == a]
+    n_seeds = {a: sum(r["arm"] == a for r in runs) for a in arms}
+    labels = {r["out"]: f"{r['arm']} ({n_seeds[r['arm']]} seed{'s' * (n_seeds[r['arm']] > 1)})" for r in runs}
+    smooth = max(1, max(r["n_steps"] for r in runs) // 25) | 1
+    _, series = curve_tool.curves([r["out"] for r in runs], smooth=smooth, mean=True, labels=labels)
+    curve_tool.draw(title, series, path, smooth)
 
 
 def report(folder, results, arms, study, base, first):
     """The study's tables and each run's small output files under `folder` (docs/ keeps them)."""
     for r in results:
-        dst = os.path.join(folder, "run_logs", os.path.basename(r["out"]))
+        dst = os.path.join(folder, "run_logs", f"{r['arm']}-s{r['seed']}")  # not -vN: the report's names
         os.makedirs(dst, exist_ok=True)
         for name in ("metrics.jsonl", "final_eval.json", "moved.json", "fingerprint.txt"):
             if os.path.isfile(os.path.join(r["out"], name)):
@@ -368,28 +396,80 @@ def report(folder, results, arms, study, base, first):
                 "from, greedy: " + ", ".join(f"{k} {v:.3f}" for k, v in base.items()) + "\n")
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line and exit 2, not the usage text
+        die(f"{message} (see --help)")
+
+
+class Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The docstring as written, and each flag's default after its help (none where the help says)."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default in (None, "") else super()._get_help_string(action)
+
+
+def count(low):
+    """An argparse type: an integer >= low (argparse names the flag and the value in the error)."""
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value} is below {low}; use {low} or more")
+        return value
+    parse.__name__ = f"integer >= {low}"
+    return parse
+
+
+def parse_args(argv):
+    """compare.py's own flags, and the scgrpo.py flags after `--` (kept apart here, so that a stray
+    word before `--` is an error and not a flag for every run)."""
+    own, extra = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    ap = Parser(description=__doc__, formatter_class=Help, allow_abbrev=False,
+                usage="%(prog)s [options] [-- scgrpo.py flags for every run]")
     ap.add_argument("--study", choices=sorted(STUDIES), default="tiny", help="model, task and seeds to compare")
-    ap.add_argument("--arms", nargs="+", choices=sorted(ARMS), default=None,
-                    help="arms to compare (default: the study's, else grpo dapo scgrpo)")
-    ap.add_argument("--seeds", nargs="+", type=int, default=None, help="seeds, one run each (default: the study's)")
-    ap.add_argument("--jobs", type=int, default=2, help="runs at a time (one thread each)")
-    ap.add_argument("--out", default="", help="folder for the runs (default runs/compare-<study>)")
-    ap.add_argument("--plot", default="", help="also write the learning curves to this PNG (needs matplotlib)")
+    ap.add_argument("--arms", nargs="+", choices=sorted(ARMS), default=None, metavar="ARM",
+                    help=f"arms to compare, of {', '.join(sorted(ARMS))} (default: the study's, else grpo dapo "
+                    "scgrpo)")
+    ap.add_argument("--seeds", nargs="+", type=count(0), default=None, metavar="SEED",
+                    help="seeds, one run each (default: the study's: " +
+                    "; ".join(f"{k} {' '.join(map(str, v['seeds']))}" for k, v in STUDIES.items()) + ")")
+    ap.add_argument("--jobs", type=count(1), default=2, metavar="N", help="runs at a time (one thread each)")
+    ap.add_argument("--out", default="", help="folder for the runs (default: runs/compare-<study>)")
+    ap.add_argument("--rerun-stale", action=argparse.BooleanOptionalAction, default=False,
+                    help="replace a run folder of other code or flags instead of keeping it and running into a "
+                    "new <arm>-s<seed>-vN folder")
+    ap.add_argument("--plot", default="", help="also write the learning curves (tools/plot.py) to this .png, .pdf "
+                    "or .svg (needs matplotlib)")
     ap.add_argument("--report", default="", help="write the tables and each run's small files to this folder")
-    ap.add_argument("extra", nargs="*", help="flags passed on to scgrpo.py (after --)")
-    args = ap.parse_args()
+    args = ap.parse_args(own)
+    args.extra = extra
+    for flag, values in (("--arms", args.arms), ("--seeds", args.seeds)):
+        if values and len(set(values)) < len(values):
+            die(f"{flag} {' '.join(map(str, values))} names one twice (two runs into one folder); name each once")
+    if args.plot and os.path.splitext(args.plot)[1].lower() not in (".png", ".pdf", ".svg"):
+        die(f"--plot {args.plot}: name a .png, .pdf or .svg file")
+    if args.plot and importlib.util.find_spec("matplotlib") is None:  # found before hours of runs, not after
+        die("--plot needs matplotlib: pip install -r requirements-bench.txt")
+    for flag, path in (("--out", args.out), ("--report", args.report)):
+        if path and os.path.exists(path) and not os.path.isdir(path):
+            die(f"{flag} {path} is a file; name a folder")
+    for name in ("--algo", "--seed", "--out"):
+        if name in extra:
+            die(f"{name} after -- would override what each run's arm, seed or folder sets; use --arms, "
+                "--seeds or --out of compare.py")
+    return args
+
+
+def main():
+    args = parse_args(sys.argv[1:])
     study = STUDIES[args.study]
     out = args.out or os.path.join("runs", f"compare-{args.study}")
     arms = args.arms or study.get("arms", ["grpo", "dapo", "scgrpo"])
     seeds = args.seeds or study["seeds"]
     jobs = [(a, s) for a in arms for s in seeds]
     flags = study["flags"] + args.extra
-    for name in ("--algo", "--seed", "--out"):
-        if name in args.extra:
-            die(f"{name} after -- would override what each run's arm, seed or folder sets; use --arms, "
-                "--seeds or --out of compare.py")
     if "scgrpo-lr" in arms and "scgrpo" not in arms:
         die("the scgrpo-lr arm's learning rate is measured from the scgrpo arm's runs; add scgrpo to --arms")
     t0, results = time.time(), []
@@ -398,7 +478,7 @@ def main():
         arm_flags = {a: globals()[ARMS[a][1]](results, flags) if derived else ARMS[a][1]
                      for a in arms if isinstance(ARMS[a][1], str) == derived}
         with ThreadPoolExecutor(args.jobs) as pool:
-            results += list(pool.map(lambda j: run_one(*j, out, flags + arm_flags[j[0]]),
+            results += list(pool.map(lambda j: run_one(*j, out, flags + arm_flags[j[0]], args.rerun_stale),
                                      [j for j in jobs if j[0] in arm_flags]))
     results.sort(key=lambda r: jobs.index((r["arm"], r["seed"])))
     if args.report:
@@ -417,7 +497,7 @@ def main():
     print(f"{len(jobs)} runs, {args.jobs} at a time: {(time.time() - t0) / 60:.1f} minutes (runs read back cost none)",
           file=sys.stderr)
     if args.plot:
-        plot(results, arms, args.plot, f"{args.study}: held-out greedy accuracy (mean; min..max shaded)")
+        plot(results, arms, args.plot, f"study {args.study}")
         print(f"learning curves: {args.plot}", file=sys.stderr)
 
 

@@ -3,6 +3,7 @@ a PyTorch built-in, a hand-computed case, or an uninterrupted run. Offline, CPU 
 
     python -m pytest -q test_scgrpo.py
 """
+import contextlib
 import dataclasses
 import importlib.util
 import json
@@ -31,7 +32,13 @@ SHARED = os.path.join(HERE, "..", "shared")
 ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
-def run(*args, timeout=300, env=None):
+# A tiny run of 400 steps takes ~30 s alone on 2 cores and several times that when the cores are
+# shared (measured here: a SmolLM2 check 9x slower while two other test suites ran), so a
+# subprocess gets 15 minutes: long enough for a loaded machine, short enough to end a hang.
+SUBPROCESS_TIMEOUT = 900
+
+
+def run(*args, timeout=SUBPROCESS_TIMEOUT, env=None):
     """Run scgrpo.py in a subprocess -> CompletedProcess (text)."""
     return subprocess.run([sys.executable, os.path.join(HERE, "scgrpo.py"), *args], capture_output=True,
                           text=True, timeout=timeout, cwd=HERE, env=env)
@@ -1024,7 +1031,7 @@ def test_sigint_then_resume_equals_an_uninterrupted_run(tmp_path):
     assert p.returncode == 130, stderr[-2000:]
     resume_cmd = [ln.strip() for ln in stdout.splitlines() if "--resume" in ln][-1].split()
     assert resume_cmd[:2] == ["python", "scgrpo.py"]
-    r = subprocess.run([sys.executable, *resume_cmd[1:]], cwd=HERE, capture_output=True, text=True, timeout=300,
+    r = subprocess.run([sys.executable, *resume_cmd[1:]], cwd=HERE, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT,
                        env=ONE_THREAD)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "resuming" in r.stdout and train_lines(out) == train_lines(ref)
@@ -1251,12 +1258,42 @@ def reader():
     return model.eval(), tok, "addition", 48
 
 
+def bf16_rounding_kl_p95(model, ro, temperature, n=8):
+    """P95 over the answer tokens of the first n answers of `ro` of K = KL(fp32 || bf16): the same
+    batch forward once in fp32 and once under bf16 autocast, the last hidden state put through the
+    LM head in fp32 (as teacher_kl does), at temperature T."""
+    G = ro.mask.shape[0] // len(ro.prompts)
+    p_ids, p_mask = batching.left_pad([ro.prompts[k // G] for k in range(n)], 0, ro.ids.device)
+    ids, mask = ro.ids[:n], ro.mask[:n]
+    attn = torch.cat([p_mask, mask.long()], 1)
+    kw = dict(input_ids=torch.cat([p_ids, ids], 1), attention_mask=attn,
+              position_ids=(attn.cumsum(-1) - 1).clamp(min=0), output_hidden_states=True)
+    head, logp = model.get_output_embeddings(), []
+    for dtype in (None, torch.bfloat16):
+        with torch.no_grad(), torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext():
+            h = model(**kw).hidden_states[-1][:, p_ids.shape[1] - 1:-1]         # (n, L, H)
+        with torch.no_grad():
+            logp.append(F.log_softmax(head(h.float()) / temperature, -1))       # (n, L, V), fp32
+    K = F.kl_div(logp[1], logp[0], log_target=True, reduction="none").sum(-1)   # KL(fp32 || bf16)
+    return float(torch.quantile(K[mask], 0.95))
+
+
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
 def test_kl_floor_with_the_students_own_prompt_as_teacher(reader, dtype, monkeypatch):
     """The teacher given the student's own prompt must agree with the student: D is rounding
-    noise only, P95 below 1e-3 nats, in fp32 (student side from the sampler's states) and in
-    bf16 autocast (student re-scored in the teacher's pass). With a real reference (fp32), D is
-    the forward KL(teacher || student) of full logits, not the reverse."""
+    noise only. fp32 (student side from the sampler's states): P95 below 1e-3 nats, thousands of
+    times fp32's rounding. bf16 autocast (student and teacher each a bf16 pass, batched
+    differently): the bound comes from bf16's own rounding, measured on these answers. Each pass
+    is the exact (fp32) computation plus bf16 rounding; to second order KL(p || q) is half the
+    squared distance of the logits in p's Fisher metric, so sqrt(D) is a distance and
+    D(pass 1 || pass 2) <= (sqrt K_1 + sqrt K_2)^2 <= 4 max(K_1, K_2), K being a bf16 pass's KL
+    from the fp32 one. K is measured here (a bf16-autocast forward against an fp32 forward of the
+    same answers, the head in fp32 as teacher_kl has it): P95(D) must stay below 4 x P95(K).
+    Measured: K's P95 1.2e-3 on SmolLM2, so the bound is ~4.7e-3; D's P95 0 on an AMD EPYC
+    (avx512_bf16), 1.1e-3 on an Intel Xeon with AMX (where a fixed 1e-3 failed); a real
+    reference in the teacher's prompt gives P95 0.78, and a teacher KL without the temperature
+    on one side fails too. With a real reference (fp32), D is the forward KL(teacher || student)
+    of full logits, not the reverse."""
     model, tok, task, max_new = reader
     real = S.encode_prompt
     monkeypatch.setattr(S, "encode_prompt", lambda tok, q, reference=None: real(tok, q))
@@ -1270,7 +1307,8 @@ def test_kl_floor_with_the_students_own_prompt_as_teacher(reader, dtype, monkeyp
     stats = S.self_condition(model, tok, cfg, ro, batch, encode=S.encode_prompt)
     active = torch.arange(batch.kl.shape[1]) < batch.n_active[:, None]
     assert active.sum() > 50 and stats["kl_nonfinite"] == 0
-    assert float(torch.quantile(batch.kl[active], 0.95)) < 1e-3 and stats["kl_p95"] < 1e-3
+    bound = 1e-3 if dtype is None else 4 * bf16_rounding_kl_p95(model, ro, 0.8)
+    assert float(torch.quantile(batch.kl[active], 0.95)) < bound and stats["kl_p95"] < bound, bound
     if dtype is not None:
         return  # bf16's D is 0.07-0.3 nats off a plain fp32 forward here: too loose to tell
     # D = 0 reads the same both ways; with a real reference, D must be KL(teacher || student)
@@ -1384,7 +1422,7 @@ def test_evaluation_never_samples_more_rows_than_a_training_step(tiny, monkeypat
 def test_gpu_check_script_runs_at_toy_sizes_on_the_cpu():
     """bench.py --gpu-check is what a lent GPU runs; at toy sizes it must pass here too."""
     r = subprocess.run([sys.executable, os.path.join(HERE, "bench.py"), "--gpu-check", "--small", "--device", "cpu"],
-                       capture_output=True, text=True, timeout=300, cwd=HERE)
+                       capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT, cwd=HERE)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "0 failed" in r.stdout and r.stdout.count("| PASS |") >= 12
 
@@ -1392,12 +1430,12 @@ def test_bench_builds_its_own_random_model_of_a_named_shape():
     """bench.py's documented commands need nothing outside the repository: --model random:ARCH
     builds the model (Qwen's 151,936-entry vocabulary) and the questions are the built-in ones."""
     r = subprocess.run([sys.executable, os.path.join(HERE, "bench.py"), "--model", "random:qwen-tiny", "--impls",
-                        "grpo", "--steps", "1", "--prompts", "1", "--group", "2", "--micro-batch", "2",
-                        "--max-new", "4"], capture_output=True, text=True, timeout=300, cwd=HERE)
+                        "grpo", "--steps", "1", "--prompts-per-step", "1", "--group-size", "2", "--micro-batch", "2",
+                        "--max-new-tokens", "4"], capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT, cwd=HERE)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "| grpo |" in r.stdout and "1 prompts x 2 answers x 4 new tokens" in r.stdout
     r = subprocess.run([sys.executable, os.path.join(HERE, "bench.py"), "--model", "random:qwen-9b"],
-                       capture_output=True, text=True, timeout=300, cwd=HERE)
+                       capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT, cwd=HERE)
     assert r.returncode == 2 and "unknown shape" in r.stderr and "Traceback" not in r.stderr
 
 # ----------------------------------------------------------------------------- compare.py's studies
@@ -1425,7 +1463,7 @@ def test_compare_study_derives_the_matched_lr_and_counts_routes_from_the_runs(tm
     r = subprocess.run([sys.executable, os.path.join(HERE, "compare.py"), "--study", "tiny", "--arms", "grpo",
                         "scgrpo", "scgrpo-lr", "--seeds", "0", "--out", str(out), "--report", str(rep),
                         "--", "--steps", "6", "--eval-every", "3"],
-                       capture_output=True, text=True, timeout=300, cwd=HERE, env=ONE_THREAD)
+                       capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT, cwd=HERE, env=ONE_THREAD)
     assert r.returncode == 0, r.stderr[-2000:]
     logs = {arm: read_metrics(str(out / f"{arm}-s0")) for arm in ("grpo", "scgrpo", "scgrpo-lr")}
     steps = {arm: [m for m in ms if "reward_mean" in m] for arm, ms in logs.items()}
@@ -1454,7 +1492,7 @@ def test_eq5_length_tool_reports_the_correlations_of_its_own_pairs(tmp_path):
     assert eq5_length.ranks([3, 1, 3, 2]) == [2.5, 0.0, 2.5, 1.0]
     out = str(tmp_path / "eq5.json")
     r = subprocess.run([sys.executable, os.path.join(HERE, "tools", "eq5_length.py"), "--model", "tiny", "--task",
-                        "arith", "--batches", "2", "--out", out], capture_output=True, text=True, timeout=300,
+                        "arith", "--batches", "2", "--out", out], capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT,
                        cwd=HERE, env=ONE_THREAD)
     assert r.returncode == 0, r.stderr[-2000:]
     with open(out) as f:
@@ -1474,6 +1512,299 @@ def test_eq5_length_tool_reports_the_correlations_of_its_own_pairs(tmp_path):
     assert res["spearman"] == pytest.approx(pearson(naive_ranks(adv), naive_ranks(n)), abs=1e-9)
     G = S.PRESETS["tiny"]["group_size"]
     assert max(abs(a) for a in adv) <= 0.1 * math.sqrt(G - 2) + 1e-6  # alpha * the largest z-score of G-1
+
+
+# ----------------------------------------------------------------------------- tracking, curves, stale runs, flags
+# tracking.py (--report-to), tools/plot.py, compare.py keeping stale runs, and the command lines of
+# compare.py and bench.py (issue 25).
+
+# real records: a SmolLM2 SC-GRPO run of the ablation study, training and evaluation lines together
+LOGGED_RUN = os.path.join(HERE, "docs", "ablation", "run_logs", "scgrpo-s0")
+
+
+def numeric_fields(record):
+    """What a tracker must log of a metrics.jsonl line: every number but the step (bools as 0/1)."""
+    return {k: float(v) for k, v in record.items() if k != "step" and type(v) in (int, float, bool)}
+
+
+def logged_by_step(records):
+    """{(key, step): value} that the records ask a tracker to log."""
+    return {(k, r["step"]): v for r in records for k, v in numeric_fields(r).items()}
+
+
+def track(report_to, out, records):
+    from machinery import tracking
+    tracker = tracking.make_tracker(report_to, str(out), "test-run", {"algo": "scgrpo", "lr": 2e-5})
+    for r in records:
+        tracker.log(r, r["step"])
+    tracker.close()
+
+
+def test_tensorboard_tracker_logs_every_number_of_metrics_jsonl_at_its_step(tmp_path):
+    """The event files, read back with TensorBoard's own reader, hold every numeric field of every
+    metrics.jsonl line at its step (float32, TensorBoard's scalar type), and nothing else."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    records = read_metrics(LOGGED_RUN)
+    assert any("eval_greedy_acc" in r for r in records) and any(r.get("nonfinite") is False for r in records)
+    track("tensorboard", tmp_path, records)
+    acc = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"scalars": 0})
+    acc.Reload()
+    got = {(tag, e.step): e.value for tag in acc.Tags()["scalars"] for e in acc.Scalars(tag)}
+    want = {key: float(torch.tensor(v, dtype=torch.float32)) for key, v in logged_by_step(records).items()}
+    assert got == want
+    assert '"lr": 2e-05' in acc.Tensors("config/text_summary")[0].tensor_proto.string_val[0].decode()
+
+
+def wandb_history(run_dir):
+    """{(key, step): value} of the history records in an offline W&B run's .wandb file. The file:
+    a 7-byte header (':W&B', magic, version), then LevelDB's log format (32 KiB blocks; each chunk
+    a 7-byte header: crc32 (4), length (2), type (1: whole, 2: first, 3: middle, 4: last)); each
+    record a wandb_internal_pb2.Record (wandb's own protobuf). Steps come from history.step."""
+    import glob
+    import struct
+    from wandb.proto import wandb_internal_pb2
+    (path,) = glob.glob(os.path.join(run_dir, "wandb", "offline-run-*", "run-*.wandb"))
+    data, pos, chunks, records = open(path, "rb").read(), 7, b"", []
+    assert data[:4] == b":W&B"
+    while pos + 7 <= len(data):
+        if 32768 - pos % 32768 < 7:  # a block's tail too short for a header is zero padding
+            pos += 32768 - pos % 32768
+            continue
+        _, n, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        chunk, pos = data[pos + 7:pos + 7 + n], pos + 7 + n
+        chunks = chunk if kind in (1, 2) else chunks + chunk
+        if kind in (1, 4):
+            records.append(wandb_internal_pb2.Record.FromString(chunks))
+    history = {}
+    for rec in records:
+        if rec.WhichOneof("record_type") == "history":
+            for item in rec.history.item:
+                key = item.key or "/".join(item.nested_key)
+                if not key.startswith("_"):  # wandb's own _step, _runtime, _timestamp
+                    history[(key, rec.history.step.num)] = json.loads(item.value_json)
+    return history
+
+
+def test_wandb_tracker_offline_logs_every_number_of_metrics_jsonl_at_its_step(tmp_path, monkeypatch):
+    """WANDB_MODE=offline: the run's .wandb file (read back record by record) holds every numeric
+    field of every metrics.jsonl line at its step, exactly, and the run's config."""
+    for var in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR"):
+        monkeypatch.setenv(var, str(tmp_path / "wandb-home"))  # nothing outside tmp_path
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    records = read_metrics(LOGGED_RUN)
+    track("wandb", tmp_path, records)
+    assert wandb_history(str(tmp_path)) == logged_by_step(records)
+
+
+def test_trackio_tracker_logs_every_number_of_metrics_jsonl_at_its_step(tmp_path):
+    """Trackio's local database (TRACKIO_DIR, read when trackio is imported: so in a subprocess)
+    holds every numeric field of every metrics.jsonl line at its step."""
+    code = ("import json, sys, test_scgrpo as T\n"
+            "T.track('trackio', sys.argv[1], T.read_metrics(T.LOGGED_RUN))\n"
+            "from trackio.sqlite_storage import SQLiteStorage\n"
+            "print(json.dumps(SQLiteStorage.get_logs('scgrpo', 'test-run')))")
+    env = {**ONE_THREAD, "TRACKIO_DIR": str(tmp_path / "trackio"), "HF_HUB_OFFLINE": "1"}
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True,
+                       timeout=SUBPROCESS_TIMEOUT, cwd=HERE, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    logs = json.loads(r.stdout.splitlines()[-1])
+    got = {(k, row["step"]): v for row in logs for k, v in row.items() if k not in ("step", "timestamp")}
+    assert got == logged_by_step(read_metrics(LOGGED_RUN))
+
+
+@pytest.mark.parametrize("report_to", ["tensorboard", "wandb", "trackio"])
+def test_tracker_without_its_package_says_how_to_install_it_in_one_line(report_to, tmp_path, monkeypatch, capsys):
+    """A chosen tracker whose package is missing (its import made to fail): one line with the
+    pinned install command, exit 2, nothing written; `none` needs no package at all."""
+    from machinery import tracking
+    monkeypatch.setitem(sys.modules, report_to, None)  # `import <report_to>` now raises ImportError
+    for call in (lambda: tracking.check(report_to), lambda: tracking.make_tracker(report_to, str(tmp_path), "r", {})):
+        with pytest.raises(SystemExit) as e:
+            call()
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert err == (f"error: --report-to {report_to} needs the {report_to} package: "
+                       f"pip install {tracking.PINS[report_to]}\n")
+    assert os.listdir(tmp_path) == []
+    with open(os.path.join(HERE, "requirements-track.txt")) as f:
+        assert tracking.PINS[report_to] in f.read().split()
+    tracker = tracking.make_tracker("none", str(tmp_path), "r", {})
+    tracker.log({"step": 1, "reward_mean": 0.5}, 1)
+    tracker.close()
+    assert os.listdir(tmp_path) == []
+
+
+def plot_tool():
+    sys.path.insert(0, os.path.join(HERE, "tools"))
+    import plot
+    return plot
+
+
+def logged_series(folder):
+    """(reward, accuracy) of a run folder as its metrics.jsonl has them: (steps, values) each."""
+    m = read_metrics(folder)
+    return ([x["step"] for x in m if "reward_mean" in x], [x["reward_mean"] for x in m if "reward_mean" in x]), \
+        ([x["step"] for x in m if "eval_greedy_acc" in x], [x["eval_greedy_acc"] for x in m if "eval_greedy_acc" in x])
+
+
+def test_plot_tool_draws_the_series_of_the_metrics_files(tmp_path):
+    """tools/plot.py's series are the metrics files' own: per run, the reward and greedy accuracy
+    at their steps; smoothed, a centred running mean (computed naively here); --mean, the mean,
+    min and max over a setting's seeds. Labels come from the configs (shared fields in the title,
+    a setting's seeds named once, one colour each), and the command writes a PNG."""
+    plot = plot_tool()
+    logs = os.path.join(HERE, "docs", "ablation", "run_logs")
+    runs = []
+    for i, (arm, extra) in enumerate([("grpo-s0", {"algo": "grpo", "seed": 0}), ("grpo-s1", {"algo": "grpo", "seed": 1}),
+                                      ("scgrpo-nodiv-s0", {"algo": "scgrpo", "seed": 0, "alpha_div": 0.0})]):
+        folder = tmp_path / arm
+        folder.mkdir()
+        (folder / "metrics.jsonl").write_text(open(os.path.join(logs, arm, "metrics.jsonl")).read())
+        (folder / "config.json").write_text(json.dumps({"model": "SmolLM2-135M", "task": "addition", "alpha_div": 0.1,
+                                                        "out": str(folder), **extra}))
+        runs.append(str(folder))
+    title, series = plot.curves(runs)
+    assert title == "SmolLM2-135M / addition"
+    for kind, k in (("reward", 0), ("acc", 1)):
+        lines = [x for x in series if x["kind"] == kind]
+        assert [(x["steps"], x["values"]) for x in lines] == [logged_series(r)[k] for r in runs]
+        assert [x["label"] for x in lines] == ["grpo (seeds 0, 1)", None, "scgrpo, alpha_div 0 (seed 0)"]
+        assert [x["colour"] for x in lines] == [0, 0, 1]
+    _, smooth = plot.curves(runs[:1], smooth=5)
+    raw = logged_series(runs[0])[0][1]
+    want = [sum(raw[max(0, i - 2):i + 3]) / len(raw[max(0, i - 2):i + 3]) for i in range(len(raw))]
+    assert smooth[0]["raw"] == raw and smooth[0]["values"] == pytest.approx(want, abs=1e-12)
+    _, mean = plot.curves(runs[:2], mean=True)
+    accs = [dict(zip(*logged_series(r)[1])) for r in runs[:2]]
+    (acc,) = [x for x in mean if x["kind"] == "acc"]
+    assert acc["steps"] == sorted(accs[0]) and acc["values"] == pytest.approx([(a[s] + b[s]) / 2 for a, b in [accs]
+                                                                                 for s in acc["steps"]])
+    assert acc["low"] == [min(accs[0][s], accs[1][s]) for s in acc["steps"]]
+    assert acc["high"] == [max(accs[0][s], accs[1][s]) for s in acc["steps"]]
+    png = tmp_path / "curve.png"
+    r = subprocess.run([sys.executable, os.path.join(HERE, "tools", "plot.py"), *runs, "--smooth", "3", "-o", str(png)],
+                       capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT, cwd=HERE)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20000
+
+
+def stale_study(out, steps, *flags):
+    return subprocess.run([sys.executable, os.path.join(HERE, "compare.py"), "--study", "tiny", "--arms", "grpo",
+                           "--seeds", "0", "--out", str(out), *flags, "--", "--steps", str(steps), "--eval-every",
+                           str(steps), "--eval-k", "0"],
+                          capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT, cwd=HERE, env=ONE_THREAD)
+
+
+def test_compare_keeps_a_run_of_other_code_or_flags_and_reruns_only_into_a_new_folder(tmp_path):
+    """A cached run whose fingerprint (code and flags) no longer matches is kept untouched and named
+    in one line; the study runs into <arm>-s<seed>-v2, which the next study with those flags reads
+    back; --rerun-stale replaces the old folder; a user's own folder in the way is kept too."""
+    out = tmp_path / "runs"
+    assert stale_study(out, 2).returncode == 0
+    before = (out / "grpo-s0" / "metrics.jsonl").read_text()
+    r = stale_study(out, 3)  # other flags: the folder of the 2-step run is stale
+    assert r.returncode == 0, r.stderr[-2000:]
+    notes = [line for line in r.stderr.splitlines() if line.startswith("note:")]
+    assert notes == [f"note: {out / 'grpo-s0'} holds a finished run of other code or flags (its fingerprint "
+                     f"differs); kept, and this run goes to {out / 'grpo-s0-v2'} (--rerun-stale would replace "
+                     f"{out / 'grpo-s0'} instead)"]
+    assert (out / "grpo-s0" / "metrics.jsonl").read_text() == before
+    assert len([m for m in read_metrics(str(out / "grpo-s0-v2")) if "reward_mean" in m]) == 3
+    v2 = (out / "grpo-s0-v2" / "metrics.jsonl").read_text()
+    r = stale_study(out, 3)  # the same flags again: -v2 is read back, nothing runs
+    assert r.returncode == 0 and (out / "grpo-s0-v2" / "metrics.jsonl").read_text() == v2
+    assert not (out / "grpo-s0-v3").exists()
+    r = stale_study(out, 4, "--rerun-stale")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "replacing it (--rerun-stale)" in r.stderr
+    assert len([m for m in read_metrics(str(out / "grpo-s0")) if "reward_mean" in m]) == 4
+    assert (out / "grpo-s0-v2" / "metrics.jsonl").read_text() == v2
+
+
+def test_compare_removes_only_its_own_interrupted_attempt_at_the_same_run(tmp_path, capsys):
+    """compare.run_folder: a folder holding this study's unfinished attempt (started.txt with this
+    fingerprint) is cleared and reused; a user's folder, or a run with another fingerprint, is kept."""
+    import compare
+    ours, theirs = tmp_path / "grpo-s0", tmp_path / "grpo-s1"
+    for folder, stamp in ((ours, "abc"), (theirs, None)):
+        folder.mkdir()
+        (folder / "notes.txt").write_text("mine")
+        if stamp:
+            (folder / "started.txt").write_text(stamp)
+    assert compare.run_folder("grpo", 0, str(tmp_path), "abc", False) == (str(ours), True)
+    assert not ours.exists()
+    assert compare.run_folder("grpo", 1, str(tmp_path), "abc", False) == (str(theirs) + "-v2", True)
+    assert (theirs / "notes.txt").read_text() == "mine"
+    assert capsys.readouterr().err.count("\n") == 1
+
+
+BAD_FLAGS = [
+    # (script, argv, what the one line must name)
+    ("compare.py", ["--jobs", "0"], "--jobs"), ("compare.py", ["--jobs", "two"], "--jobs"),
+    ("compare.py", ["--seeds", "-1"], "--seeds"), ("compare.py", ["--seeds", "0", "0"], "--seeds 0 0"),
+    ("compare.py", ["--seeds", "x"], "--seeds"), ("compare.py", ["--arms", "foo"], "'foo'"),
+    ("compare.py", ["--arms", "grpo", "grpo"], "--arms grpo grpo"), ("compare.py", ["--study", "huge"], "'huge'"),
+    ("compare.py", ["--plot", "curve.txt"], "--plot curve.txt"), ("compare.py", ["--bogus"], "--bogus"),
+    ("compare.py", ["stray"], "stray"), ("compare.py", ["--rerun-stale=yes"], "--rerun-stale"),
+    ("compare.py", ["--stud", "tiny"], "--stud"), ("compare.py", ["--arms", "scgrpo-lr"], "scgrpo-lr"),
+    ("compare.py", ["--", "--seed", "3"], "--seed"), ("compare.py", ["--out", "afile"], "--out afile"),
+    ("bench.py", ["--model", "random:qwen-tiny", "--steps", "0"], "--steps"),
+    ("bench.py", ["--model", "random:qwen-tiny", "--group-size", "1"], "--group-size"),
+    ("bench.py", ["--model", "random:qwen-tiny", "--prompts-per-step", "x"], "--prompts-per-step"),
+    ("bench.py", ["--model", "random:qwen-tiny", "--max-new-tokens", "0"], "--max-new-tokens"),
+    ("bench.py", ["--model", "random:qwen-tiny", "--micro-batch", "7"], "--micro-batch 7"),
+    ("bench.py", ["--model", "random:qwen-tiny", "--impls", "foo"], "'foo'"),
+    ("bench.py", ["--model", "random:qwen-tiny", "--impls", "grpo", "grpo"], "--impls grpo grpo"),
+    ("bench.py", ["--model", "random:qwen-tiny", "--device", "tpu"], "'tpu'"),
+    ("bench.py", ["--model", "random:qwen-tiny", "--grad-checkpoint", "yes"], "yes"),
+    ("bench.py", ["--model", "random:qwen-tiny", "--prompts", "4"], "--prompts is now --prompts-per-step"),
+    ("bench.py", ["--model", "random:qwen-9b"], "random:qwen-9b"), ("bench.py", [], "--model"),
+    ("bench.py", ["--model", "no-such-folder"], "--model no-such-folder"),
+    ("bench.py", ["--model", "random:qwen-tiny", "--data", "no-such-folder"], "--data no-such-folder"),
+    ("plot.py", ["no-such-run"], "no-such-run"), ("plot.py", ["empty-run"], "no metrics.jsonl"),
+    ("plot.py", ["cut-run"], "line 2"), ("plot.py", ["blank-run"], "no training step"),
+    ("plot.py", ["blank-run", "--smooth", "4"], "--smooth 4"), ("plot.py", ["blank-run", "-o", "c.txt"], "c.txt"),
+    ("plot.py", [], "RUN"),
+]
+
+
+@pytest.mark.parametrize("script,argv,needle", BAD_FLAGS, ids=[f"{s}:{' '.join(a)}" for s, a, _ in BAD_FLAGS])
+def test_bad_flags_of_compare_bench_and_plot_exit_2_with_one_line(script, argv, needle, tmp_path, monkeypatch,
+                                                                  capsys):
+    """Each bad input: exit 2, one stderr line naming the flag or value, nothing new on disk (run in
+    this process from an empty folder; a few of them in a real process below)."""
+    import bench
+    import compare
+    plot = plot_tool()
+    monkeypatch.chdir(tmp_path)
+    for name in ("empty-run", "cut-run", "blank-run"):
+        os.mkdir(name)
+    with open("cut-run/metrics.jsonl", "w") as f:
+        f.write('{"step": 0, "eval_greedy_acc": 0.1}\n{"step": 1, "rew')
+    open("blank-run/metrics.jsonl", "w").close()
+    open("afile", "w").close()
+    before = sorted(os.walk(tmp_path))
+
+    def got_past(*args, **kwargs):  # a run or a model folder would start here: fail at once instead
+        raise AssertionError(f"{script} {' '.join(argv)} got past the input checks")
+    monkeypatch.setattr(subprocess, "run", got_past)
+    monkeypatch.setattr(bench, "write_random_model", got_past)
+    monkeypatch.setattr(sys, "argv", [script, *argv])
+    with pytest.raises(SystemExit) as e:
+        {"compare.py": compare.main, "bench.py": bench.main, "plot.py": plot.main}[script]()
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1 and needle in err, err
+    assert sorted(os.walk(tmp_path)) == before
+
+
+def test_bad_flags_in_a_real_process_give_one_line_and_no_traceback(tmp_path):
+    for script, argv in (("compare.py", ["--jobs", "0"]), ("bench.py", ["--grad-checkpoint", "yes"]),
+                         (os.path.join("tools", "plot.py"), [str(tmp_path / "none")])):
+        r = subprocess.run([sys.executable, os.path.join(HERE, script), *argv], capture_output=True, text=True,
+                           timeout=SUBPROCESS_TIMEOUT, cwd=tmp_path)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1 and r.stdout == "", (script, r.stderr)
+    assert os.listdir(tmp_path) == []
 
 
 # ----------------------------------------------------------------------------- SC-GRPO on TRL's GRPOTrainer
@@ -1654,7 +1985,7 @@ def test_trl_two_processes_each_get_their_slice_of_the_one_process_advantages(tm
     two-process training run of trl_scgrpo.py logs finite losses and sc/ metrics."""
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     r = subprocess.run([*torchrun, os.path.join(HERE, "test_scgrpo.py"), "--trl-worker", str(tmp_path)],
-                       capture_output=True, text=True, timeout=300, cwd=HERE, env=ONE_THREAD)
+                       capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT, cwd=HERE, env=ONE_THREAD)
     assert r.returncode == 0, r.stderr[-3000:]
     parts = [torch.load(str(tmp_path / f"rank{k}.pt")) for k in (0, 1)]
     assert [p["n"] for p in parts] == [2, 2]  # a real two-process group, not two single ones
@@ -1669,7 +2000,7 @@ def test_trl_two_processes_each_get_their_slice_of_the_one_process_advantages(tm
         assert not want[:, C:].any() and not got[:, C:].any()
     r = subprocess.run([*torchrun, os.path.join(HERE, "trl_scgrpo.py"), "--model", "tiny", "--task", "arith",
                         "--steps", "3", "--prompts-per-step", "4", "--out", str(tmp_path / "run")],
-                       capture_output=True, text=True, timeout=300, cwd=HERE, env=ONE_THREAD)
+                       capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT, cwd=HERE, env=ONE_THREAD)
     assert r.returncode == 0, r.stderr[-3000:]
     with open(str(tmp_path / "run" / "log_history.json")) as f:
         logs = [x for x in json.load(f) if "loss" in x]

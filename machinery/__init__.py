@@ -7,6 +7,7 @@ arguments), so a reader of the method can skip this folder whole.
   tasks.py     the offline tasks, GSM8K-schema files, the hub dataset, the question order
   models.py    device and precision, the built-in tiny model, GGUF files, hub models
   runs.py      the run folder: metrics and samples, checkpoints, resume, Ctrl-C, phase timings
+  tracking.py  --report-to: the same numbers to TensorBoard, W&B or Trackio (opt-in)
   credit.py    the token-credit page (which tokens SC-GRPO weighted, shaded by f(D))
   batching.py  token lists <-> padded tensors: left padding, decoding, joining rollouts
   speed.py     the fast equals of scgrpo.py's plain lines (--fast), held equal by the tests
