@@ -205,10 +205,9 @@ def run_one(arm, seed, out_root, flags, rerun_stale=False):
 
 
 def final_eval(out, fingerprint, k=8):
-    """evaluate_final of a run's final model (Avg@k, Pass@k, the wordings), in a subprocess
-    with one thread (cached in final_eval.json beside the fingerprint it belongs to)."""
-    code = f"import json, compare; print(json.dumps(compare.evaluate_final({os.path.join(out, 'final')!r}, {k})))"
-    return cached_run(code, os.path.join(out, "final_eval.json"), fingerprint, f"evaluating {out}/final")
+    """The final model's Avg@k, Pass@k and (addition) greedy accuracy on each of WORDINGS, by
+    scgrpo.py --eval-only on out/final (cached in final_eval.json beside its fingerprint)."""
+    return evaluations(out, "final_eval", fingerprint, ["--model", os.path.join(out, "final")], k)
 
 
 # Second wordings of the addition task's held-out sums, never seen in training: does what a run
@@ -232,31 +231,41 @@ def reworded(rows, template):
     return out
 
 
-def evaluate_final(folder, k, base=False):
-    """scgrpo.evaluate on a saved final model (base: on the model the run started from), with the
-    run's own config and questions; on the addition task also the greedy accuracy on WORDINGS."""
-    import dataclasses
+def eval_only(flags, out):
+    """python scgrpo.py --eval-only FLAGS --out OUT in a subprocess with one thread -> its eval.json."""
+    shutil.rmtree(out, ignore_errors=True)
+    cmd = [sys.executable, os.path.join(HERE, "scgrpo.py"), "--eval-only", *flags, "--out", out]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=HERE)
+    if r.returncode != 0:
+        sys.exit(f"error: {' '.join(cmd)} failed:\n{r.stderr[-2000:]}")
+    with open(os.path.join(out, "eval.json")) as f:
+        return json.load(f)
 
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    import scgrpo as S
-    from machinery.models import load_model, stop_ids
-    from machinery.tasks import load_task
-    with open(os.path.join(folder, "run_config.json")) as f:
-        cfg = S.Config(**{**json.load(f), "eval_k": k})
-    if base:
-        model, tok = load_model(cfg.model, cfg.seed)
-        model.eval()
-    else:
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-        tok = AutoTokenizer.from_pretrained(folder)
-    test_rows, eos = load_task(cfg)[1][:cfg.eval_n], stop_ids(model, tok)
-    res, _ = S.evaluate(model, tok, test_rows, cfg, eos)
-    greedy = dataclasses.replace(cfg, eval_k=0)
-    for name, template in (WORDINGS.items() if cfg.task == "addition" else ()):
-        res[f"greedy_{name}"] = S.evaluate(model, tok, reworded(test_rows, template), greedy, eos)[0][
-            "eval_greedy_acc"]
+def evaluations(folder, name, fingerprint, flags, k):
+    """A model's held-out evaluation with eval_k = k, and on the addition task its greedy
+    accuracy on each of WORDINGS (the same questions, reworded, as a --data folder), each one
+    scgrpo.py --eval-only with `flags`; kept in folder/name.json with the fingerprint."""
+    path, work = os.path.join(folder, name + ".json"), os.path.join(folder, name)
+    saved = json.loads(read_text(path) or "{}")
+    if saved.pop("fingerprint", None) == fingerprint:
+        return saved
+    held_out = eval_only([*flags, "--eval-k", str(k)], os.path.join(work, "held-out"))
+    res = {key: held_out[key] for key in ("eval_greedy_acc", "eval_avg_at_k", "eval_pass_at_k")
+           if key in held_out}
+    for w in (WORDINGS if held_out["task"] == "addition" else ()):
+        data = os.path.join(work, f"{w}-data")
+        os.makedirs(data, exist_ok=True)
+        from machinery.tasks import make_addition  # the held-out sums, then asked another way
+        for split, rows in zip(("train", "test"), make_addition()):
+            with open(os.path.join(data, f"{split}.jsonl"), "w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in reworded(rows, WORDINGS[w]))
+        res[f"greedy_{w}"] = eval_only([*flags, "--eval-k", "0", "--data", data],
+                                       os.path.join(work, w))["eval_greedy_acc"]
+    with open(path, "w") as f:
+        json.dump({**res, "fingerprint": fingerprint}, f)
+    shutil.rmtree(work)
     return res
 
 
@@ -486,10 +495,8 @@ def main():
             r["moved"] = weight_change(r["out"], r["fingerprint"])
         # the model the first run started from (with --model tiny, seed-dependent), evaluated greedily
         first = results[0]
-        code = ("import json, compare; print(json.dumps(compare.evaluate_final("
-                f"{os.path.join(first['out'], 'final')!r}, 0, base=True)))")
-        res = cached_run(code, os.path.join(first["out"], "base_eval.json"), first["fingerprint"],
-                         "evaluating the base model")
+        res = evaluations(first["out"], "base_eval", first["fingerprint"],
+                          [*first["flags"], "--seed", str(first["seed"])], 0)
         base = {k: v for k, v in res.items() if k.startswith(("eval_greedy", "greedy_"))}
         report(args.report, results, arms, study, base, first)
     print(table(results, arms, study["reach"], study["gain"]))

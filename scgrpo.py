@@ -8,20 +8,22 @@ reweights the tokens: it shows the same model one of its own *verified* answers 
 prompt (the teacher, Eq. 4), re-scores the sampled answer in that context, and measures at every
 position how far the next-token distribution moved, D_t = KL(teacher || student). Tokens where
 seeing a correct solution changes the model's mind are the decisions that mattered; f(D) =
-D / (D + c) turns D into a weight in [0, 1) on that token's clipped GRPO term. Groups with no
-correct answer get a small diversity advantage instead, Eq. (5).
+D / (D + c), with c the P75 of D over the step's scored tokens, turns D into a weight in [0, 1)
+on that token's clipped GRPO term. Groups with no correct answer get a small diversity
+advantage instead, Eq. (5): the answers that differ most from one of their own wrong answers
+(highest mean f(D) against it) are pushed up, the ones that repeat it down.
 
-Words used below. n_c: the number of correct answers in a group; it picks the group's route.
-A solve-none group (n_c = 0) has one answer drawn as its reference o_r; every other answer o_i
-is scored against it over its first L_i = min(|o_i|, |o_r|) tokens, and s_i is the mean f(D)
-there. The active tokens of an answer are those the teacher scores: all of them, or the first
-L_i in a solve-none group. c is the P75 of D over the active tokens.
+Words used below. n_c: the number of correct answers in a group; it picks the group's route:
+partial (2 <= n_c < G), fallback (n_c = 1: plain GRPO), solve-none (n_c = 0), skip (n_c = G).
+A solve-none group has one answer drawn as its reference o_r; every other answer o_i is scored
+against it over its first L_i = min(|o_i|, |o_r|) tokens, and s_i is the mean f(D) there. The
+active tokens of an answer are those the teacher scores: all, or the first L_i if solve-none.
 
 Where this file simplifies or interprets the paper (docs/notes.md says why, at length):
  1. c = max(P75(D), c_min) is taken over the active tokens of the whole step, not per micro-batch.
  2. D is measured once per step with the weights that sampled.
  3. Solve-none groups: the reference o_r itself gets advantage 0 and no gradient.
- 4. Solve-none groups: tokens past L_i get weight 0 (s_i never saw them).
+ 4. Solve-none groups: tokens past L_i get weight 0 (s_i never saw them); 1/|o_i| stays.
  5. Solve-none groups: Eq. (5)'s mean and std run over the G-1 answers other than o_r.
  6. Solve-none groups: o_r goes into the teacher prompt under the same guide text as a verified one.
  7. Eq. (1) and (5) use the population std; a skipped (all-equal) group still counts in the 1/B.
@@ -30,19 +32,19 @@ Where this file simplifies or interprets the paper (docs/notes.md says why, at l
 10. No reference-model KL (beta = 0), a constant learning rate, gradient clipping at 1.0.
 11. The teacher's guide instruction is our own wording (the paper does not publish it).
 12. DAPO refills its batch for at most --dapo-max-rounds = 3 sampling rounds per step.
-13. DAPO's overlong buffer defaults to max_new_tokens // 4 for real models (0 for tiny).
+13. DAPO's overlong buffer is max_new_tokens // 4 for real models unless given (cli.py), 0 tiny.
 14. A token whose D is not finite gets weight 0 and is left out of c, with a warning.
 
 Every line below runs as written unless --fast is on (the real-model presets turn it on): then
 three steps, each marked `if cfg.fast:`, call machinery/speed.py for the same numbers, faster
 (tests hold the two equal). machinery/ holds the rest: flags, data, models, the run folder.
 
-Run it:
+Run it (--help lists every flag and the presets; --resume RUN continues a run):
     python scgrpo.py                                        # tiny model, offline, CPU
     python scgrpo.py --model SmolLM2-135M --task addition   # real model, offline, CPU, ~8 min
     python scgrpo.py --model Qwen2.5-0.5B --task gsm8k      # one 24 GB GPU
     python scgrpo.py --algo grpo                            # the baseline (or dapo)
-    python scgrpo.py --resume runs/<run-folder>             # continue a run
+    python scgrpo.py --eval-only --model runs/<run>/final   # score a model, no training
 """
 import math
 import random
@@ -58,21 +60,21 @@ from machinery.batching import decode, distinct, join, left_pad, pack, select_gr
 from machinery.cli import parse_config  # flags -> Config: preset, then explicit flags; checks
 from machinery.credit import credit_examples  # the answers shown on the credit page
 from machinery.models import TINY_TEMPLATE, autocast
-from machinery.runs import Phases, Run  # the run folder: logs, checkpoints, resume, Ctrl-C
+from machinery.runs import Phases, Run, kl_metrics  # the run folder: logs, checkpoints, resume
 from machinery.tasks import Batcher
-# Bookkeeping helpers, one line each: left_pad(token lists, pad_id, device) -> ids, mask (B, P),
-# padded on the left so every prompt ends in the last column; decode(tok, ids, mask) -> N texts;
-# pack(rollout, rows, n_tokens) -> ids, mask (b, L) of those answers (their first n_tokens);
-# distinct(keys) -> (the distinct keys, each key's index among them); join(rollouts), select_groups
-# (rollout, groups), take_rows(batch, rows): concatenate or pick rows (DAPO, micro-batches);
-# autocast(model): bf16 if --dtype asked for it, else a no-op; Phases(device).lap(name): seconds
-# per phase; Batcher(n, seed).take(k): k question indices, a seeded permutation per epoch.
+# Bookkeeping helpers: left_pad(token lists, pad_id, device) -> ids, mask (B, P), padded on the
+# left so every prompt ends in the last column; decode(tok, ids, mask) -> N texts; pack(rollout,
+# rows[, n]) -> ids, mask (b, L) of those answers (or their first n tokens); distinct(keys, device)
+# -> (the distinct keys, each key's index among them); join(rollouts), select_groups(rollout,
+# groups), take_rows(batch, rows): concatenate or pick rows; autocast(model): bf16 if --dtype
+# asked for it, else a no-op; Batcher(n, seed).take(k): k question indices, a seeded order.
 
 # Config -------------------------------------------------------------------------------------------
 
-def setting(default, help):
-    """A Config field: its default and its --help text (unit, and why this default)."""
-    return field(default=default, metadata={"help": help})
+def setting(default, help, choices=None):
+    """A Config field: its default, its --help text (unit, and why this default), the values
+    it may take (an enumerated flag)."""
+    return field(default=default, metadata={"help": help, "choices": choices})
 
 
 @dataclass
@@ -80,9 +82,10 @@ class Config:
     """Every setting of a run, saved with it. The model's preset (PRESETS, below) replaces
     some of these defaults; a flag given on the command line beats both."""
     model: str = setting("tiny", "tiny (built in), SmolLM2-135M, a .gguf, Qwen2.5-0.5B, a hub id")
-    task: str = setting("arith", "gsm8k, or offline: arith (a+b=) or addition (sums in words)")
+    task: str = setting("arith", "gsm8k (hub), or offline: arith (a+b=), addition (sums in words)",
+                        ("gsm8k", "arith", "addition"))
     data: str = setting("", "local folder with train.jsonl / test.jsonl in GSM8K's schema")
-    algo: str = setting("scgrpo", "scgrpo (the method), grpo or dapo (the paper's baselines)")
+    algo: str = setting("scgrpo", "the method or a baseline", ("scgrpo", "grpo", "dapo"))
     steps: int = setting(200, "optimizer updates (x ppo_epochs)")
     prompts_per_step: int = setting(8, "questions per update; paper: 8")
     group_size: int = setting(8, "G answers per question; paper: 8")
@@ -90,7 +93,7 @@ class Config:
     temperature: float = setting(1.0, "sampling temperature, also used to score log-probs and KL")
     lr: float = setting(1e-6, "AdamW learning rate; paper: 1e-6")
     weight_decay: float = setting(0.0, "AdamW weight decay; RL fine-tuning usually uses none")
-    epsilon: float = setting(0.2, "PPO clip range (lower side; also upper unless --epsilon-high)")
+    epsilon: float = setting(0.2, "PPO clip range; also the upper one unless --epsilon-high, dapo")
     epsilon_high: float = setting(0.0, "upper clip; 0 means = epsilon (dapo: 0.28, clip-higher)")
     ppo_epochs: int = setting(1, "mu: optimizer steps per sampled batch; >1 keeps old log-probs")
     micro_batch: int = setting(8, "answers per forward/backward; gradients are accumulated")
@@ -109,15 +112,17 @@ class Config:
     log_every: int = setting(1, "steps between printed log lines (metrics.jsonl gets every step)")
     max_bad_steps: int = setting(5, "consecutive non-finite steps before the run stops")
     seed: int = setting(0, "seeds python, torch, the sampler, the references and the data order")
-    device: str = setting("auto", "auto picks cuda > mps > cpu")
-    dtype: str = setting("auto", "bf16 autocast (weights stay fp32), fp32, or auto: bf16 on cuda")
+    device: str = setting("auto", "auto picks cuda > mps > cpu", ("auto", "cpu", "cuda", "mps"))
+    dtype: str = setting("auto", "bf16 autocast (weights stay fp32), fp32, or auto: bf16 on cuda",
+                         ("auto", "bf16", "fp32"))
     out: str = setting("", "run folder; default runs/<model>-<task>-<algo>-s<seed>-<time>")
     fast: bool = setting(False, "machinery/speed.py in place of 3 plain steps: same math, faster")
+    report_to: str = setting("none", "a tracker too", ("none", "tensorboard", "wandb", "trackio"))
+    eval_only: bool = setting(False, "evaluate --model (a hub id, .gguf or folder) and stop")
 
 
-# The model's preset replaces these defaults (explicit flags still win). tiny: learns on a CPU in
-# minutes, plain lines. SmolLM2-135M-Instruct: --task addition on 2 CPU cores (docs/results.md);
-# any other (hub) model: one 24 GB GPU. --fast pays on both: 5.3x per SmolLM2 step (docs/speed.md).
+# tiny: learns on a CPU in minutes, on the plain lines. SmolLM2-135M-Instruct: --task addition on
+# 2 CPU cores; other (hub) models: one 24 GB GPU. Both run --fast: 5.3x per SmolLM2 step here.
 PRESETS = {
     "tiny": dict(steps=2000, prompts_per_step=16, group_size=16, max_new_tokens=2, lr=3e-4,
                  micro_batch=256, eval_every=250, eval_n=100, eval_batch=100, save_every=500,
@@ -242,12 +247,12 @@ def sample(model, prompts, n, max_new, temperature, eos_ids, pad_id, gen):
             logits = model(input_ids=ids, attention_mask=attn, position_ids=pos).logits
         z = logits[:, -1].float()                                                  # (N, V)
         if temperature == 0:
-            tok = z.argmax(-1)
+            nxt = z.argmax(-1)                                                     # (N,)
         else:
-            tok = torch.multinomial(F.softmax(z / temperature, -1), 1, generator=gen).squeeze(1)
-        ids = torch.cat([ids, tok.masked_fill(done, pad_id)[:, None]], 1)
+            nxt = torch.multinomial(F.softmax(z / temperature, -1), 1, generator=gen).squeeze(1)
+        ids = torch.cat([ids, nxt.masked_fill(done, pad_id)[:, None]], 1)
         attn = torch.cat([attn, (~done).long()[:, None]], 1)  # finished rows add padding only
-        done |= torch.isin(tok, torch.tensor(eos_ids, device=device))
+        done |= torch.isin(nxt, torch.tensor(eos_ids, device=device))
         if bool(done.all()):
             break
     mask = attn[:, P:].bool()                                                      # (N, L)
@@ -256,9 +261,8 @@ def sample(model, prompts, n, max_new, temperature, eos_ids, pad_id, gen):
 
 
 def sample_answers(model, cfg, prompts, n, temperature, eos_ids, pad_id, gen, keep_states=False):
-    """n answers to each prompt: sample(), or speed.sample with --fast. -> ids, mask (N, L), and
-    with --fast and keep_states the student's states for speed.teacher_kl (fp32 only), else
-    None, None."""
+    """n answers to each prompt by sample(), or speed.sample with --fast. -> ids, mask (N, L),
+    and the student's states for speed.teacher_kl (--fast, keep_states, fp32) or None, None."""
     args = (model, prompts, n, cfg.max_new_tokens, temperature, eos_ids, pad_id, gen)
     if cfg.fast:  # speed.sample in place of sample(): a KV cache and inverse-CDF draws
         fp32 = getattr(model, "autocast_dtype", None) is None  # bf16: the teacher re-runs them
@@ -304,7 +308,7 @@ def route_groups(rewards, algo):
     scgrpo, by n_c, the number of correct answers:
       2 <= n_c < G  'partial'     teacher-weighted, a verified answer as reference
       n_c = 0       'solve_none'  diversity advantage, Eq. (5)
-      n_c = 1       'fallback'    plain GRPO (the teacher here collapsed entropy in the paper)
+      n_c = 1       'fallback'    plain GRPO (no second verified answer; paper: entropy collapse)
       n_c = G       'skip'        zero advantage"""
     G, routes = rewards.shape[1], []
     for r in rewards:
@@ -320,7 +324,7 @@ def pick_references(correct, route, rng, usable=None):
     """Reference tau for each answer of one group: list of G indices or None.
     partial: uniform over the group's verified answers, never the answer itself.
     solve_none: one answer o_r drawn uniformly serves every other answer; o_r itself gets None.
-    usable (G bools, default all): answers that may be a reference at all (TRL: not truncated)."""
+    usable (G bools, default all): answers that may be a reference (trl_scgrpo.py passes it)."""
     G, usable = len(correct), usable or [True] * len(correct)
     if route == "partial":
         good = [j for j in range(G) if correct[j] and usable[j]]
@@ -408,7 +412,7 @@ def teacher_kl(model, cfg, ro, rows, teacher_prompts, prompt_of, ids, mask):
     of rollout ro: the teacher, the same model with a reference in its prompt (Eq. 4), scores
     the same answer tokens. teacher_prompts: the distinct ones; prompt_of (b,): each answer's;
     ids, mask (b, L): the answers, mask True on active tokens. -> D (n,)"""
-    if cfg.fast:  # speed.teacher_kl in place of the five lines below
+    if cfg.fast:  # speed.teacher_kl in place of the five statements below
         return speed.teacher_kl(model, ro, rows, teacher_prompts, prompt_of, ids, mask,
                                 cfg.temperature)
     student = forward_answers(model, [ro.prompts[g] for g in (rows // cfg.group_size).tolist()],
@@ -422,12 +426,11 @@ def teacher_kl(model, cfg, ro, rows, teacher_prompts, prompt_of, ids, mask):
 
 @torch.no_grad()
 def teacher_kls(model, tok, cfg, ro, batch, encode=encode_prompt):
-    """Step 1: D for the active tokens of every answer with a reference, in micro-batches whose
-    answers share references (few teacher prompts each); encode builds the teacher's prompt
-    (Eq. 4). -> kl (M, L), 0 where not scored"""
+    """Step 1: D on the active tokens of each answer with a reference, by micro-batches of shared
+    references; encode builds the teacher prompt (Eq. 4). -> kl (M, L), 0 where not scored"""
     G, kl = cfg.group_size, torch.zeros_like(batch.kl)                             # (M, L)
-    routed = (batch.ref >= 0).nonzero().squeeze(1)                                 # (R,)
-    order = sorted(routed.tolist(), key=lambda m: (int(batch.row[m]) // G, int(batch.ref[m])))
+    scored = (batch.ref >= 0).nonzero().squeeze(1)  # (R,) the rows a teacher scores
+    order = sorted(scored.tolist(), key=lambda m: (int(batch.row[m]) // G, int(batch.ref[m])))
     for mb in torch.tensor(order, dtype=torch.long).split(cfg.micro_batch):
         ids, mask = pack(ro, batch.row[mb], batch.n_active[mb])                    # (b, L)
         refs, prompt_of = distinct(batch.ref[mb].tolist(), ids.device)
@@ -457,8 +460,8 @@ def diversity_advantages(weights, lengths, r, alpha=0.1, eps=1e-6):
     (note 5); returns alpha * A_div (G,), with 0 for o_r itself (note 3)."""
     G = weights.shape[0]
     others = torch.tensor([i != r for i in range(G)])
-    L = torch.minimum(lengths, lengths[r]).clamp_min(1).float()                    # (G,)
-    s = weights.sum(1) / L                                                         # (G,)
+    L_i = torch.minimum(lengths, lengths[r]).clamp_min(1).float()                  # (G,)
+    s = weights.sum(1) / L_i                                                       # (G,)
     s_o = s[others]                                                                # (G-1,)
     adv = torch.zeros(G)
     # Eq. (5): A_div_i = (s_i - mean(s)) / (std(s) + eps), scaled by alpha
@@ -483,24 +486,16 @@ def solve_none_advantages(ro, batch, weights, alpha):
 
 @torch.no_grad()
 def self_condition(model, tok, cfg, ro, batch, encode=encode_prompt):
-    """SC-GRPO's addition: D (teacher_kls), f(D) with c over the step's active tokens
-    (sc_weights, note 1), and the solve-none advantage (Eq. 5). Fills batch.kl, weights and
-    adv; -> metrics."""
-    routed = (batch.ref >= 0).nonzero().squeeze(1)                                 # (R,)
+    """SC-GRPO's addition: D (teacher_kls), f(D) with c over all of the step's active tokens
+    (sc_weights, note 1), Eq. (5). Fills batch.kl, .weights and .adv; -> metrics."""
+    scored = (batch.ref >= 0).nonzero().squeeze(1)  # (R,) the rows a teacher scores
     batch.kl = teacher_kls(model, tok, cfg, ro, batch, encode)                     # (M, L)
-    kl = batch.kl[routed]                                                          # (R, L)
-    active = (torch.arange(kl.shape[1]) < batch.n_active[routed, None]).to(kl.device)
-    nonfinite = active & ~torch.isfinite(kl)
-    if nonfinite.any():
-        tqdm.write(f"warning: {int(nonfinite.sum())} non-finite KL values get weight 0 (note 14)")
+    kl = batch.kl[scored]                                                          # (R, L)
+    active = (torch.arange(kl.shape[1]) < batch.n_active[scored, None]).to(kl.device)
     weights, c = sc_weights(kl, active, cfg.c_min, cfg.kl_quantile)                # (R, L)
-    batch.weights[routed] = weights
+    batch.weights[scored] = weights
     batch.adv = solve_none_advantages(ro, batch, batch.weights, cfg.alpha_div)     # (M,)
-    active &= ~nonfinite
-    q = torch.tensor([0.5, 0.75, 0.95], device=kl.device)
-    p50, p75, p95 = torch.quantile(kl[active].float(), q).tolist()
-    return dict(kl_p50=p50, kl_p75=p75, kl_p95=p95, c=c, weight_mean=float(weights[active].mean()),
-                kl_nonfinite=int(nonfinite.sum()))
+    return kl_metrics(kl, active, weights, c)  # D's quantiles, c, mean f(D); warns on NaN D
 
 # The loss: the clipped GRPO objective, each token weighted by f(D) --------------------------------
 
@@ -510,7 +505,7 @@ DAPO_EPS_HIGH = 0.28  # DAPO's clip-higher: the upper clip range when --epsilon-
 def policy_loss(logp, old_logp, adv, weights, scale, mask, eps_low, eps_high):
     """-J_SC and the number of tokens whose ratio is outside the clip range. logp, old_logp,
     weights, scale, mask (b, L); adv (b,). With weights = 1: GRPO (scale = 1/(B G |o_i|)
-    per group) or DAPO (scale = 1/total tokens)."""
+    per answer) or DAPO (scale = 1/total tokens)."""
     # Zero the padding first: a NaN there would otherwise leak into the gradient through where().
     logp, old_logp = logp.masked_fill(~mask, 0.0), old_logp.masked_fill(~mask, 0.0)
     ratio = torch.exp(logp - old_logp)                                             # rho (b, L)
@@ -572,9 +567,12 @@ def update(model, optimizer, cfg, ro, batch):
             mb = batch[s]
             logp, mask = answer_logprobs(model, cfg, ro, mb.row)                   # (b, L)
             L = mask.shape[1]
-            loss, n_clipped = policy_loss(  # mu = 1: old = logp.detach(), so rho = 1 (no clip)
-                logp, old[k] if old else logp.detach(), mb.adv.to(device), mb.weights[:, :L],
-                mask * scale[s, None].to(device), mask, cfg.epsilon, eps_high)
+            # mu = 1: the old log-probs are these, detached, so rho = 1 (no clipping)
+            loss, n_clipped = policy_loss(
+                logp, old_logp=old[k] if old else logp.detach(), adv=mb.adv.to(device),
+                weights=mb.weights[:, :L],  # the batch is as wide as the rollout; this mb is L
+                scale=mask * scale[s, None].to(device), mask=mask, eps_low=cfg.epsilon,
+                eps_high=eps_high)
             loss.backward()
             loss_sum, clip_sum = loss_sum + loss.item(), clip_sum + n_clipped
         grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
@@ -597,8 +595,8 @@ def train_step(model, optimizer, tok, cfg, train_set, batcher, rng, gen, eos_ids
     adv = group_advantages(ro.reward)                                              # (B, G)
     routes = route_groups(ro.reward, cfg.algo)
     batch = make_batch(ro, routes, adv, rng)
-    routed = (batch.ref >= 0).nonzero().squeeze(1).tolist()
-    sc_stats = self_condition(model, tok, cfg, ro, batch) if routed else {}
+    scored = (batch.ref >= 0).nonzero().squeeze(1).tolist()  # rows with a reference
+    sc_stats = self_condition(model, tok, cfg, ro, batch) if scored else {}
     clock.lap("teacher")
     loss, clip_frac, grad_norm, stepped = update(model, optimizer, cfg, ro, batch)
     clock.lap("update")
@@ -612,7 +610,7 @@ def train_step(model, optimizer, tok, cfg, train_set, batcher, rng, gen, eos_ids
     if cfg.algo == "dapo":
         dropped = len(sampled.problems) - len(ro.problems)
         metrics.update(sample_rounds=rounds, groups_dropped=dropped)
-    return metrics, credit_examples(tok, cfg, ro, batch, routed)
+    return metrics, credit_examples(tok, cfg, ro, batch, scored)
 
 # The training loop --------------------------------------------------------------------------------
 
@@ -623,14 +621,14 @@ def train(cfg, resume=""):
     # agree in every digit for a few hundred steps and then drift apart slowly.
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)  # the tiny model's initial weights come from this stream
-    run = Run(cfg, resume)  # data, model (fp32 weights) and run folder; resume: the checkpoint's
+    run = Run(cfg, resume)  # loads the data and the model (fp32 weights; resume: the checkpoint's)
     model, tok = run.model, run.tok
     # AdamW on every weight at a constant learning rate (note 10), PyTorch's betas (0.9, 0.999)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     rng = random.Random(cfg.seed)                            # which answer is whose reference
     gen = torch.Generator(run.device).manual_seed(cfg.seed)  # the sampler's draws
     batcher = Batcher(len(run.train_set), cfg.seed)          # which questions each step
-    start = run.begin(optimizer, rng, gen, batcher)  # restores all four when resuming
+    start = run.begin(optimizer, rng, gen, batcher)  # 1, or after resume the next step (restored)
     if start == 1:
         run.log_eval(0, *evaluate(model, tok, run.eval_set, cfg, run.eos_ids))
     credit, bar = [], tqdm(range(start, cfg.steps + 1), desc="train", initial=start - 1,
@@ -638,7 +636,7 @@ def train(cfg, resume=""):
     for step in bar:
         m, new_credit = train_step(model, optimizer, tok, cfg, run.train_set, batcher, rng, gen,
                                    run.eos_ids)
-        credit = new_credit or credit
+        credit = new_credit or credit  # the last answers a teacher scored, for the credit page
         run.log_step(bar, {"step": step, **m})  # stops the run after --max-bad-steps NaN steps
         if step % cfg.eval_every == 0 or step == cfg.steps:
             run.log_eval(step, *evaluate(model, tok, run.eval_set, cfg, run.eos_ids),
@@ -691,7 +689,11 @@ def evaluate(model, tok, problems, cfg, eos_ids):
 
 def main(argv=None):
     cfg, resume = parse_config(Config, PRESETS, argv)
-    train(cfg, resume)
+    if not cfg.eval_only:
+        return train(cfg, resume)
+    torch.manual_seed(cfg.seed)  # the tiny model's initial weights; no optimizer, no training
+    run = Run(cfg)  # the model (a hub id, a .gguf, a folder such as a run's final/) and test set
+    run.save_eval(*evaluate(run.model, run.tok, run.eval_set, cfg, run.eos_ids))
 
 
 if __name__ == "__main__":

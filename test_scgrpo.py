@@ -910,23 +910,72 @@ def write(path, text):
     path.write_text(text)
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["--task", "mnist"], "unknown --task"),
-    (["--algo", "ppo"], "unknown --algo"),
+BAD_INPUT = [  # (argv, the words the one error line must hold)
+    (["--task", "mnist"], "--task: invalid choice: 'mnist'"),
+    (["--algo", "ppo"], "--algo: invalid choice: 'ppo'"),
+    (["--dtype", "fp16"], "--dtype: invalid choice"),
+    (["--device", "tpu"], "--device: invalid choice"),
+    (["--report-to", "mlflow"], "--report-to: invalid choice"),
+    (["--fast", "flase"], "unrecognized arguments: flase"),
+    (["--fast", "tru"], "unrecognized arguments: tru"),
+    (["--fast=true"], "--fast/--no-fast: ignored explicit argument 'true'"),
+    (["--grad-checkpoint", "enabled"], "unrecognized arguments: enabled"),
+    (["--ste", "3"], "unrecognized arguments: --ste"),  # no abbreviations
     (["--data", "/nonexistent/folder"], "--data folder"),
-    (["--group-size", "1"], "--group-size must be at least 2"),
-    (["--steps", "0"], "--steps must be a positive"),
-    (["--prompts-per-step", "-1"], "--prompts-per-step must be a positive"),
-    (["--max-new-tokens", "0"], "--max-new-tokens must be a positive"),
+    (["--group-size", "1"], "--group-size 1 is out of range: it must be at least 2"),
+    (["--steps", "0"], "--steps must be a positive integer, got 0"),
+    (["--steps", "1.5"], "--steps: invalid int value: '1.5'"),
+    (["--prompts-per-step", "-1"], "--prompts-per-step must be a positive integer"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be a positive integer"),
+    (["--eval-n", "0"], "--eval-n must be a positive integer"),
+    (["--algo", "dapo", "--dapo-max-rounds", "0"], "--dapo-max-rounds must be a positive integer"),
     (["--micro-batch", "999"], "--micro-batch 999 is larger than the batch"),
-    (["--lr", "abc"], "invalid float value"),
+    (["--lr", "abc"], "--lr: invalid float value: 'abc'"),
+    (["--lr", "-1"], "--lr -1.0 is out of range: it must be > 0"),
+    (["--lr", "0"], "--lr 0.0 is out of range: it must be > 0"),
+    (["--lr", "nan"], "--lr must be a finite number, got nan"),
+    (["--lr", "inf"], "--lr must be a finite number, got inf"),
+    (["--temperature", "0"], "--temperature 0.0 is out of range: it must be > 0"),
+    (["--temperature", "nan"], "--temperature must be a finite number"),
+    (["--epsilon", "-1"], "--epsilon -1.0 is out of range: it must be in (0, 1)"),
+    (["--epsilon", "1.5"], "--epsilon 1.5 is out of range"),
+    (["--epsilon-high", "-0.1"], "--epsilon-high -0.1 is out of range: it must be >= 0"),
+    (["--c-min", "-1"], "--c-min -1.0 is out of range: it must be > 0"),
+    (["--c-min", "0"], "--c-min 0.0 is out of range"),
+    (["--alpha-div", "-3"], "--alpha-div -3.0 is out of range: it must be >= 0"),
+    (["--max-grad-norm", "0"], "--max-grad-norm 0.0 is out of range: it must be > 0"),
+    (["--weight-decay", "-1"], "--weight-decay -1.0 is out of range: it must be >= 0"),
+    (["--kl-quantile", "1"], "--kl-quantile 1.0 is out of range: it must be in (0, 1)"),
+    (["--eval-k", "-1"], "--eval-k -1 is out of range: it must be >= 0"),
+    (["--overlong-buffer", "-1"], "--overlong-buffer -1 is out of range: it must be >= 0"),
+    (["--algo", "dapo", "--overlong-buffer", "2"], "--overlong-buffer must be below --max-new-tokens"),
+    (["--seed", "-1"], "--seed -1 is out of range: it must be >= 0"),
     (["--resume", "/nonexistent/run"], "no checkpoint found"),
-])
-def test_bad_input_exits_2_with_one_line(args, needle, tmp_path, capsys):
+    (["--resume", "/nonexistent/run", "--lr", "1"], "only --steps may be given with it, not --lr"),
+    (["--resume", "/nonexistent/run", "--eval-only"], "only --steps may be given with it"),
+]
+
+
+@pytest.mark.parametrize("args,needle", BAD_INPUT, ids=lambda a: " ".join(a) if isinstance(a, list) else "")
+def test_bad_input_exits_2_with_one_line_and_writes_nothing(args, needle, tmp_path, monkeypatch, capsys):
+    """Every bad flag costs one stderr line and exit code 2 before a folder or file is written
+    (the run folder would go to runs/ under the working directory, here an empty one)."""
+    monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as e:
-        S.main(args if "--resume" in args else [*args, "--out", str(tmp_path / "o")])
+        S.main(args)
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and needle in err and len(err.splitlines()) == 1, err
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("model,needle", [("does-not-exist", "could not load model 'does-not-exist'"),
+                                          ("/tmp/not-a-model", "could not load model '/tmp/not-a-model'")])
+def test_a_model_that_does_not_load_leaves_no_run_folder(model, needle, tmp_path):
+    env = {**ONE_THREAD, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "cache")}
+    r = subprocess.run([sys.executable, os.path.join(HERE, "scgrpo.py"), "--model", model, "--task", "arith"],
+                       capture_output=True, text=True, cwd=tmp_path, env=env, timeout=SUBPROCESS_TIMEOUT)
+    assert r.returncode == 2 and needle in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert not os.path.exists(tmp_path / "runs")
 
 
 @pytest.mark.parametrize("content,needle", [
@@ -943,6 +992,34 @@ def test_malformed_data_names_file_and_line(content, needle, tmp_path, capsys):
         S.main(["--data", str(tmp_path / "d"), "--out", str(tmp_path / "o")])
     err = capsys.readouterr().err
     assert e.value.code == 2 and needle in err and "train.jsonl" in err
+
+
+def test_eval_only_scores_the_tiny_model_and_a_saved_run_as_training_did(tmp_path, capsys):
+    """--eval-only on the tiny model equals scgrpo.evaluate on a fresh tiny model of that seed,
+    and on a saved run's final/ and ckpt/ the run's own last evaluation (the same evaluate,
+    weights and config); it writes eval.json and nothing else: no optimizer, no training."""
+    S.main(["--eval-only", "--eval-k", "2", "--out", str(tmp_path / "base")])
+    with open(tmp_path / "base" / "eval.json") as f:
+        got = json.load(f)
+    assert os.listdir(tmp_path / "base") == ["eval.json"] and "greedy acc" in capsys.readouterr().out
+    cfg, _ = cli.parse_config(S.Config, S.PRESETS, ["--eval-k", "2", "--out", str(tmp_path / "x")])
+    torch.manual_seed(0)
+    model, tok = models.load_model("tiny", 0)
+    test = tasks.load_task(cfg)[1][:cfg.eval_n]
+    want, shown = S.evaluate(model, tok, test, cfg, models.stop_ids(model, tok))
+    assert {k: got[k] for k in want} == want and got["samples"] == shown and got["eval_n"] == len(test)
+    run_dir = tmp_path / "run"
+    S.main(["--steps", "20", "--eval-every", "20", "--eval-k", "2", "--out", str(run_dir)])
+    last = read_metrics(str(run_dir))[-1]
+    for saved in ("final", "ckpt"):
+        S.main(["--eval-only", "--model", str(run_dir / saved), "--out", str(tmp_path / saved)])
+        with open(tmp_path / saved / "eval.json") as f:
+            got = json.load(f)
+        assert {k: got[k] for k in ("eval_greedy_acc", "eval_avg_at_k", "eval_pass_at_k")} == \
+            {k: last[k] for k in ("eval_greedy_acc", "eval_avg_at_k", "eval_pass_at_k")}
+    with pytest.raises(SystemExit) as e:  # an evaluation is never overwritten
+        S.main(["--eval-only", "--out", str(tmp_path / "base")])
+    assert e.value.code == 2 and "already holds eval.json" in capsys.readouterr().err
 
 
 def test_unwritable_out_and_existing_run_are_refused(tmp_path, capsys):
@@ -994,7 +1071,7 @@ def test_nonfinite_loss_is_skipped_and_counted(tiny, monkeypatch):
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     before = [p.detach().clone() for p in model.parameters()]
     real = S.policy_loss
-    monkeypatch.setattr(S, "policy_loss", lambda *a: (real(*a)[0] * float("nan"), real(*a)[1]))
+    monkeypatch.setattr(S, "policy_loss", lambda *a, **k: (real(*a, **k)[0] * float("nan"), real(*a, **k)[1]))
     for seed in range(20):  # until a step has a group with a gradient
         m, _ = S.train_step(model, opt, tok, cfg, rows, tasks.Batcher(len(rows), seed), random.Random(0),
                             torch.Generator().manual_seed(seed), [0])
@@ -1014,7 +1091,7 @@ def train_lines(out, after=0):
 
 def test_sigint_then_resume_equals_an_uninterrupted_run(tmp_path):
     args = ["--algo", "scgrpo", "--steps", "120", "--eval-every", "1000", "--eval-k", "0", "--seed", "3",
-            "--fast", "true"]  # the path that resumes the sampler states too
+            "--fast"]  # the path that resumes the sampler states too
     ref = str(tmp_path / "ref")
     assert run(*args, "--out", ref, env=ONE_THREAD).returncode == 0
     out = str(tmp_path / "cut")
@@ -1038,7 +1115,7 @@ def test_sigint_then_resume_equals_an_uninterrupted_run(tmp_path):
 
 
 def test_resume_with_more_steps_equals_one_long_run(tmp_path):
-    args = ["--algo", "grpo", "--eval-every", "1000", "--eval-k", "0", "--seed", "5", "--fast", "true"]
+    args = ["--algo", "grpo", "--eval-every", "1000", "--eval-k", "0", "--seed", "5", "--fast"]
     long_, short = str(tmp_path / "long"), str(tmp_path / "short")
     assert run(*args, "--steps", "40", "--out", long_, env=ONE_THREAD).returncode == 0
     assert run(*args, "--steps", "25", "--out", short, env=ONE_THREAD).returncode == 0
@@ -1090,7 +1167,7 @@ def test_presets_adapt_to_explicit_flags_and_explicit_flags_win():
     assert (cfg.lr, cfg.max_new_tokens, cfg.micro_batch) == (3e-4, 2, 6)  # tiny preset, micro-batch fits the batch
     cfg, _ = cli.parse_config(S.Config, S.PRESETS, ["--model", "some/hub-model", "--max-new-tokens", "64", "--lr", "2e-6"])
     assert (cfg.lr, cfg.overlong_buffer, cfg.grad_checkpoint, cfg.group_size) == (2e-6, 16, True, 8)
-    cfg, _ = cli.parse_config(S.Config, S.PRESETS, ["--grad-checkpoint", "false", "--overlong-buffer", "0", "--model", "x/y"])
+    cfg, _ = cli.parse_config(S.Config, S.PRESETS, ["--no-grad-checkpoint", "--overlong-buffer", "0", "--model", "x/y"])
     assert cfg.grad_checkpoint is False and cfg.overlong_buffer == 0
 
 
@@ -1198,6 +1275,14 @@ def test_smollm2_runs_each_algorithm_and_saves_a_model_that_reloads(algo, tmp_pa
     model = AutoModelForCausalLM.from_pretrained(os.path.join(out, "final"))
     tok = AutoTokenizer.from_pretrained(os.path.join(out, "final"))
     assert model.num_parameters() > 100e6 and tok.chat_template and tok.eos_token_id == 2
+    if algo == "dapo":  # --eval-only: the base model scores as at step 0, the final one as at the end
+        flags = ["--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "12", "--eval-n", "4", "--seed", "1"]
+        for model_flags, i in ((["--model", "SmolLM2-135M", "--task", "addition", *flags], 0),
+                               (["--model", os.path.join(out, "final")], -1)):
+            r = run("--eval-only", *model_flags, "--out", str(tmp_path / f"eval{i}"))
+            assert r.returncode == 0, r.stderr[-2000:]
+            with open(tmp_path / f"eval{i}" / "eval.json") as f:
+                assert json.load(f)["eval_greedy_acc"] == evals[i]["eval_greedy_acc"]
     if algo == "grpo":  # the checkpoint of a GGUF-loaded model resumes like any other
         r = run("--resume", out, "--steps", "3")
         assert r.returncode == 0 and "resuming" in r.stdout, r.stderr[-2000:]
@@ -1951,10 +2036,10 @@ def test_logits_that_are_not_the_head_of_the_hidden_state_are_refused_under_fast
     monkeypatch.setattr(runs, "load_model", lambda name, seed: (capped, tok))
     args = ["--steps", "2", "--eval-n", "2", "--eval-k", "0", "--eval-every", "2"]
     with pytest.raises(SystemExit) as e:
-        S.main([*args, "--fast", "true", "--out", str(tmp_path / "a")])
+        S.main([*args, "--fast", "--out", str(tmp_path / "a")])
     err = capsys.readouterr().err.strip()
-    assert e.value.code == 2 and "--fast false" in err and len(err.splitlines()) == 1
-    S.main([*args, "--fast", "false", "--out", str(tmp_path / "b")])  # the plain path runs it
+    assert e.value.code == 2 and "--no-fast" in err and len(err.splitlines()) == 1
+    S.main([*args, "--no-fast", "--out", str(tmp_path / "b")])  # the plain path runs it
     assert [m["step"] for m in read_metrics(str(tmp_path / "b")) if "reward_mean" in m] == [1, 2]
 
 

@@ -6,15 +6,15 @@ before anything loads or is written.
 import argparse
 import dataclasses
 import json
+import math
 import os
 import time
 
 import torch
 
-from machinery import die
+from machinery import die, tracking
 from machinery.models import gguf_path
 from machinery.runs import find_checkpoint
-from machinery.tasks import TASKS
 
 
 class ArgParser(argparse.ArgumentParser):
@@ -22,16 +22,42 @@ class ArgParser(argparse.ArgumentParser):
         die(f"{message} (see --help)")
 
 
+def preset_table(Config, presets):
+    """--help's epilog: each setting a preset changes, per preset, beside Config's default."""
+    names = sorted({k for p in presets.values() for k in p},
+                   key=[f.name for f in dataclasses.fields(Config)].index)
+    defaults = {f.name: f.default for f in dataclasses.fields(Config)}
+    cols = [(f"--model {n}" if n != "hub" else "other models", p) for n, p in presets.items()]
+    rows = [["setting", *(c for c, _ in cols)]]
+    rows += [["--" + n.replace("_", "-"), *(str(p.get(n, defaults[n])) for _, p in cols)]
+             for n in names]
+    width = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    table = "\n".join("  " + "  ".join(c.ljust(w) for c, w in zip(r, width)).rstrip()
+                      for r in rows)
+    return ("The model picks a preset that replaces some defaults; a flag given beats both.\n"
+            "A flag's --help default above is the one for the default model (tiny).\n" + table +
+            "\nUnless given: --micro-batch is at most the batch (prompts x group); other than "
+            "tiny,\n--overlong-buffer is --max-new-tokens // 4.")
+
+
 def parse_config(Config, presets, argv=None):
     """CLI -> (Config, checkpoint folder to resume from or ""). Precedence: explicit flag >
-    the model's preset (presets[model], else presets['hub']) > Config default. --resume reuses
-    the run's saved config; only --steps may change (to train longer)."""
-    ap = ArgParser(description="SC-GRPO / GRPO / DAPO on GSM8K or offline arithmetic.")
+    the model's preset (presets[model], else presets['hub']; for --eval-only of a saved run, the
+    run's config) > Config default. --resume reuses the run's saved config; only --steps may
+    change (to train longer)."""
+    ap = ArgParser(description="SC-GRPO / GRPO / DAPO on GSM8K or offline arithmetic.",
+                   epilog=preset_table(Config, presets), allow_abbrev=False,
+                   formatter_class=argparse.RawDescriptionHelpFormatter)
     for f in dataclasses.fields(Config):
-        kind = type(f.default) if not isinstance(f.default, bool) else (
-            lambda v: v.lower() in ("1", "true", "yes", "on"))
-        ap.add_argument("--" + f.name.replace("_", "-"), type=kind, default=None,
-                        help=f"{f.metadata['help']} (default {f.default!r}, or the preset's)")
+        shown = presets["tiny"].get(f.name, f.default)
+        note = f" (default {shown})" if shown != "" else ""
+        kw = dict(default=None, choices=f.metadata["choices"],
+                  help=(f.metadata["help"] + note).replace("%", "%%"))
+        if isinstance(f.default, bool):  # --fast / --no-fast; a value after it is an error
+            kw["action"] = argparse.BooleanOptionalAction
+        else:
+            kw["type"] = type(f.default)
+        ap.add_argument("--" + f.name.replace("_", "-"), **kw)
     ap.add_argument("--resume", default="", help="run folder (or its ckpt/) to continue")
     args = ap.parse_args(argv)
     given = {k: v for k, v in vars(args).items() if v is not None and k != "resume"}
@@ -46,9 +72,12 @@ def parse_config(Config, presets, argv=None):
                 "and ckpt.old/)")
         with open(os.path.join(ckpt, "run_config.json")) as f:
             cfg = Config(**{**json.load(f), **given})
-        check_config(cfg)
+        check_config(cfg, resuming=True)
         return cfg, ckpt
-    cfg = Config(**{**presets.get(given.get("model", "tiny"), presets["hub"]), **given})
+    preset = presets.get(given.get("model", "tiny"), presets["hub"])
+    if given.get("eval_only"):  # a saved run's final/ or ckpt/: its own task, lengths, ...
+        preset = saved_run_config(given.get("model", "")) or preset
+    cfg = Config(**{**preset, **given})
     # Preset values that depend on other flags; explicit flags are left alone (checked later).
     if "micro_batch" not in given:
         cfg.micro_batch = min(cfg.micro_batch, cfg.prompts_per_step * cfg.group_size)
@@ -57,41 +86,91 @@ def parse_config(Config, presets, argv=None):
     if not cfg.out:
         name = os.path.basename(cfg.model.rstrip("/"))
         stamp = time.strftime("%Y%m%d-%H%M%S")
-        cfg.out = os.path.join("runs", f"{name}-{cfg.task}-{cfg.algo}-s{cfg.seed}-{stamp}")
+        what = "eval" if cfg.eval_only else cfg.algo
+        cfg.out = os.path.join("runs", f"{name}-{cfg.task}-{what}-s{cfg.seed}-{stamp}")
     check_config(cfg)
     return cfg, ""
 
 
-def check_config(cfg):
-    """Every flag check that needs no model, so a typo costs seconds."""
-    if cfg.task not in ("gsm8k", *TASKS):
-        die(f"unknown --task {cfg.task!r}; use gsm8k, arith or addition")
-    if cfg.algo not in ("scgrpo", "grpo", "dapo"):
-        die(f"unknown --algo {cfg.algo!r}; use scgrpo, grpo or dapo")
-    for name in ("steps", "prompts_per_step", "max_new_tokens", "micro_batch", "ppo_epochs",
-                 "eval_every", "save_every", "log_every", "eval_batch", "max_bad_steps"):
-        if getattr(cfg, name) < 1:
-            die(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(cfg, name)}")
-    if cfg.group_size < 2:
-        die(f"--group-size must be at least 2 (advantages compare answers within a group), "
-            f"got {cfg.group_size}")
+def saved_run_config(path):
+    """The Config a run saved beside its model folder (ckpt/run_config.json, or the run's
+    config.json above final/), minus where it ran and what it was; {} for any other model."""
+    for cand in (os.path.join(path, "run_config.json"),
+                 os.path.join(os.path.dirname(os.path.abspath(path)), "config.json")):
+        if os.path.isdir(path) and os.path.isfile(cand):
+            with open(cand) as f:
+                saved = json.load(f)
+            if "algo" in saved:  # a run's config, not a model's
+                return {k: v for k, v in saved.items() if k not in ("model", "out", "eval_only",
+                                                                      "report_to", "resume")}
+    return {}
+
+
+# What each numeric setting must be, checked for every run: (setting, test, the rule in words).
+RANGES = [
+    ("group_size", lambda v: v >= 2, "at least 2 (advantages compare answers within a group)"),
+    ("lr", lambda v: v > 0, "> 0"),
+    ("weight_decay", lambda v: v >= 0, ">= 0"),
+    ("temperature", lambda v: v > 0, "> 0 (greedy decoding is for evaluation only)"),
+    ("epsilon", lambda v: 0 < v < 1, "in (0, 1): the ratio is clipped to [1 - epsilon, ...]"),
+    ("epsilon_high", lambda v: v >= 0, ">= 0 (0: the same as --epsilon)"),
+    ("max_grad_norm", lambda v: v > 0, "> 0 (0 would zero every gradient)"),
+    ("c_min", lambda v: v > 0, "> 0 (f(D) = D / (D + c) needs c > 0)"),
+    ("kl_quantile", lambda v: 0 < v < 1, "in (0, 1)"),
+    ("alpha_div", lambda v: v >= 0, ">= 0 (0 turns Eq. (5) off)"),
+    ("overlong_buffer", lambda v: v >= 0, ">= 0 (0 turns the length penalty off)"),
+    ("eval_k", lambda v: v >= 0, ">= 0 (0 turns Avg@k and Pass@k off)"),
+    ("seed", lambda v: v >= 0, ">= 0"),
+]
+POSITIVE = ("steps", "prompts_per_step", "max_new_tokens", "micro_batch", "ppo_epochs",
+            "dapo_max_rounds", "eval_every", "eval_n", "eval_batch", "save_every", "log_every",
+            "max_bad_steps")
+
+
+def check_config(cfg, resuming=False):
+    """Every flag check that needs no model, so a typo costs seconds and writes nothing."""
+    for f in dataclasses.fields(cfg):
+        flag, v, choices = "--" + f.name.replace("_", "-"), getattr(cfg, f.name), f.metadata.get(
+            "choices")
+        if choices and v not in choices:
+            die(f"{flag} {v!r} is not one of {', '.join(choices)}")
+        if isinstance(v, float) and not math.isfinite(v):
+            die(f"{flag} must be a finite number, got {v}")
+        if f.name in POSITIVE and v < 1:
+            die(f"{flag} must be a positive integer, got {v}")
+    for name, ok, rule in RANGES:
+        if not ok(getattr(cfg, name)):
+            flag = "--" + name.replace("_", "-")
+            die(f"{flag} {getattr(cfg, name)} is out of range: it must be {rule}")
     if cfg.micro_batch > cfg.prompts_per_step * cfg.group_size:
         die(f"--micro-batch {cfg.micro_batch} is larger than the batch "
             f"({cfg.prompts_per_step} x {cfg.group_size}); lower it")
-    if cfg.algo == "dapo" and not 0 <= cfg.overlong_buffer < cfg.max_new_tokens:
-        die(f"--overlong-buffer must be in [0, --max-new-tokens), got {cfg.overlong_buffer}")
-    if cfg.temperature <= 0:
-        die("--temperature must be > 0 for training (greedy decoding is for evaluation only)")
-    if not 0 < cfg.kl_quantile < 1:
-        die(f"--kl-quantile must be in (0, 1), got {cfg.kl_quantile}")
-    if cfg.eval_n < 1 or cfg.eval_k < 0:
-        die("--eval-n must be positive and --eval-k non-negative")
+    if cfg.algo == "dapo" and cfg.overlong_buffer >= cfg.max_new_tokens:
+        die(f"--overlong-buffer must be below --max-new-tokens, got {cfg.overlong_buffer}")
     gguf_path(cfg.model)  # a missing weights package or a non-GGUF file fails here, at once
-    if cfg.dtype not in ("auto", "bf16", "fp32"):
-        die(f"unknown --dtype {cfg.dtype!r}; use auto, bf16 or fp32")
-    if cfg.device not in ("auto", "cpu", "cuda", "mps"):
-        die(f"unknown --device {cfg.device!r}; use auto, cpu, cuda or mps")
     if cfg.device == "cuda" and not torch.cuda.is_available():
         die("--device cuda was asked for but no CUDA GPU is visible; use --device cpu or auto")
     if cfg.device == "mps" and not torch.backends.mps.is_available():
         die("--device mps was asked for but MPS is not available; use --device cpu or auto")
+    tracking.check(cfg.report_to)  # the tracker's package is installed
+    check_out_folder(cfg, resuming)
+
+
+def check_out_folder(cfg, resuming):
+    """--out can be written, and holds no run (or evaluation) that this one would overwrite;
+    nothing is created here: the folder is made once the model has loaded."""
+    out = os.path.abspath(cfg.out)
+    if os.path.exists(out) and not os.path.isdir(out):
+        die(f"--out {cfg.out} is a file; pick a folder")
+    parent = out
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.access(parent, os.W_OK | os.X_OK):
+        die(f"--out {cfg.out} is not writable (no write permission in {parent}); pick another "
+            "folder")
+    held = os.path.join(out, "eval.json" if cfg.eval_only else "metrics.jsonl")
+    if os.path.exists(held) and not resuming:
+        if cfg.eval_only:
+            die(f"--out {cfg.out} already holds {os.path.basename(held)}; pick a new --out")
+        die(f"--out {cfg.out} already holds a run; continue it with --resume {cfg.out} or pick a "
+            "new --out")

@@ -20,7 +20,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from machinery import die
+from machinery import die, tracking
 from machinery.credit import write_credit_html
 from machinery.models import (CPU_MAX_PARAMS, cuda_status, load_model, logits_are_head_of_hidden,
                               pick_device, stop_ids)
@@ -34,6 +34,19 @@ def peak_memory_gb(device):
     peak = torch.cuda.max_memory_allocated(device) / 2 ** 30
     torch.cuda.reset_peak_memory_stats(device)
     return peak
+
+
+def kl_metrics(kl, active, weights, c):
+    """scgrpo.self_condition's numbers for metrics.jsonl: the P50, P75 and P95 of D and the mean
+    f(D) over the active tokens whose D is finite, c, and how many were not (with a warning)."""
+    nonfinite = active & ~torch.isfinite(kl)
+    if nonfinite.any():
+        tqdm.write(f"warning: {int(nonfinite.sum())} non-finite KL values get weight 0 (note 14)")
+    active = active & ~nonfinite
+    q = torch.tensor([0.5, 0.75, 0.95], device=kl.device)
+    p50, p75, p95 = torch.quantile(kl[active].float(), q).tolist()
+    return dict(kl_p50=p50, kl_p75=p75, kl_p95=p95, c=c, weight_mean=float(weights[active].mean()),
+                kl_nonfinite=int(nonfinite.sum()))
 
 
 class Phases:
@@ -61,17 +74,7 @@ class Run:
         go_offline_unless_hub_reachable(cfg)
         self.cfg, self.ckpt, (self.train_set, test_set) = cfg, ckpt, load_task(cfg)
         self.eval_set = test_set[:cfg.eval_n]
-        try:
-            os.makedirs(cfg.out, exist_ok=True)
-            with open(os.path.join(cfg.out, ".write_test"), "w") as f:
-                f.write("ok")
-            os.remove(os.path.join(cfg.out, ".write_test"))
-        except OSError as e:
-            die(f"--out {cfg.out} is not writable ({e.strerror}); pick another folder")
         self.metrics_path = os.path.join(cfg.out, "metrics.jsonl")
-        if not ckpt and os.path.exists(self.metrics_path):
-            die(f"--out {cfg.out} already holds a run; continue it with --resume {cfg.out} or "
-                "pick a new --out")
         self.device = device = pick_device(cfg.device)
         if ckpt:
             from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -88,12 +91,16 @@ class Run:
         self.model.to(device).eval()  # no dropout: eval and train mode compute the same function
         if cfg.fast and not logits_are_head_of_hidden(self.model):
             die(f"model {cfg.model!r} computes its logits from more than its LM head (soft-capping "
-                "or a logit scale), which the fast paths leave out; run it with --fast false")
+                "or a logit scale), which the fast paths leave out; run it with --no-fast")
         self.bf16 = cfg.dtype == "bf16" or (cfg.dtype == "auto" and device.type == "cuda")
         self.model.autocast_dtype = torch.bfloat16 if self.bf16 else None  # read by autocast()
         if cfg.grad_checkpoint:
             self.model.activation_checkpointing_enable({"use_reentrant": False})
         self.eos_ids = stop_ids(self.model, self.tok)
+        try:  # only now: a model that fails to load or is refused leaves no folder behind
+            os.makedirs(cfg.out, exist_ok=True)
+        except OSError as e:
+            die(f"--out {cfg.out} could not be made ({e.strerror}); pick another folder")
 
     def begin(self, optimizer, rng, gen, batcher):
         """Take the run's optimizer and random streams (checkpoints save them), restore them
@@ -109,6 +116,8 @@ class Run:
         print(f"model {cfg.model}: {self.n_params / 1e6:.1f}M parameters on {self.device} "
               f"({'bf16 autocast' if self.bf16 else 'fp32'}; {cuda_status()}) | train "
               f"{len(self.train_set)} | eval {len(self.eval_set)} | out {cfg.out}")
+        self.tracker = tracking.make_tracker(cfg.report_to, cfg.out, os.path.basename(cfg.out),
+                                             dataclasses.asdict(cfg))
         self.metrics_f = open(self.metrics_path, "a", buffering=1)
         self.samples_f = open(os.path.join(cfg.out, "samples.jsonl"), "a", buffering=1)
         self.stop = catch_ctrl_c()  # first Ctrl-C: finish the step, save, exit; second: abort
@@ -142,6 +151,7 @@ class Run:
     def log(self, record):
         self.metrics_f.write(json.dumps(record) + "\n")
         self.metrics_f.flush()
+        self.tracker.log(record, record["step"])  # --report-to: the same numbers, the same step
 
     def log_step(self, bar, m):
         """Log a training step (metrics.jsonl, the bar, every --log-every steps a line); count
@@ -159,6 +169,7 @@ class Run:
                        f"skipped ({self.bad} in a row)")
             if self.bad >= cfg.max_bad_steps:
                 self.save(step)
+                self.tracker.close()
                 die(f"{self.bad} non-finite steps in a row; stopped. Last good state saved in "
                     f"{cfg.out}/ckpt; try a lower --lr")
 
@@ -169,6 +180,7 @@ class Run:
             self.save(step)
         if self.stop["asked"] and step < cfg.steps:
             bar.close()
+            self.tracker.close()
             print(f"\ninterrupted: checkpoint of step {step} saved. Resume with:\n"
                   f"  python {os.path.basename(sys.argv[0])} --resume {cfg.out}")
             sys.exit(130)
@@ -182,9 +194,19 @@ class Run:
             self.samples_f.write(json.dumps({"step": step, **s}) + "\n")
         if credit:
             write_credit_html(os.path.join(cfg.out, f"credit_{step}.html"), step, credit)
-        k = (f" | avg@{cfg.eval_k} {res['eval_avg_at_k']:.3f} | pass@{cfg.eval_k} "
-             f"{res['eval_pass_at_k']:.3f}" if cfg.eval_k else "")
-        tqdm.write(f"eval step {step} | greedy acc {res['eval_greedy_acc']:.3f}{k}")
+        tqdm.write(f"eval step {step} | {eval_line(cfg, res)}")
+
+    def save_eval(self, res, shown):
+        """--eval-only: the evaluation's metrics and first answers -> <out>/eval.json, printed."""
+        cfg, path = self.cfg, os.path.join(self.cfg.out, "eval.json")
+        record = dict(model=cfg.model, task=cfg.task, data=cfg.data, eval_n=len(self.eval_set),
+                      eval_k=cfg.eval_k, temperature=cfg.temperature, seed=cfg.seed, **res,
+                      samples=shown)
+        with open(path + ".tmp", "w") as f:
+            json.dump(record, f, indent=2)
+        os.replace(path + ".tmp", path)
+        print(f"eval {cfg.model} on {len(self.eval_set)} {cfg.task} questions | "
+              f"{eval_line(cfg, res)} | {path}")
 
     def save(self, step):
         state = dict(optimizer=self.optimizer.state_dict(), python_rng=self.rng.getstate(),
@@ -199,7 +221,14 @@ class Run:
         save_checkpoint(os.path.join(self.cfg.out, "final"), self.model, self.tok, self.cfg, None)
         self.metrics_f.close()
         self.samples_f.close()
+        self.tracker.close()
         print(f"done: final model in {self.cfg.out}/final, metrics in {self.metrics_path}")
+
+
+def eval_line(cfg, res):
+    k = (f" | avg@{cfg.eval_k} {res['eval_avg_at_k']:.3f} | pass@{cfg.eval_k} "
+         f"{res['eval_pass_at_k']:.3f}" if cfg.eval_k else "")
+    return f"greedy acc {res['eval_greedy_acc']:.3f}{k}"
 
 
 def log_line(step, cfg, m):

@@ -34,7 +34,8 @@ from machinery import die
 
 CHOICES = ("none", "tensorboard", "wandb", "trackio")
 # the versions the tests ran with (requirements-track.txt holds the same pins)
-PINS = {"tensorboard": "tensorboard==2.21.0", "wandb": "wandb==0.31.0", "trackio": "trackio==0.43.0"}
+PINS = {"tensorboard": "tensorboard==2.21.0", "wandb": "wandb==0.31.0",
+        "trackio": "trackio==0.43.0"}
 
 
 def check(report_to):
@@ -126,4 +127,6 @@ def make_tracker(report_to, out_dir, run_name, config):
     plain values, e.g. dataclasses.asdict(cfg))."""
     check(report_to)
     kinds = {"none": NoTracker, "tensorboard": TensorBoard, "wandb": WandB, "trackio": Trackio}
-    return kinds[report_to]() if report_to == "none" else kinds[report_to](out_dir, run_name, config)
+    if report_to == "none":
+        return NoTracker()
+    return kinds[report_to](out_dir, run_name, config)
