@@ -1937,9 +1937,9 @@ def test_trl_refuses_each_setting_it_cannot_honour_in_one_line(tmp_path):
     for change, needle in cases:
         why = T.refusal(T.GRPOConfig(**{**kw, **change}))
         assert why and needle in why and "\n" not in why, change
-    for flags, needle in ((dict(zero3=True), "ZeRO-3"), (dict(fsdp=True), "FSDP")):
-        why = T.refusal(base, **flags)
-        assert needle in why.split(" is not supported")[0] and "\n" not in why
+    assert T.refusal(base, fsdp_version=2) is None  # FSDP2 and ZeRO-3 run: the sharded test below
+    why = T.refusal(base, fsdp_version=1)
+    assert why.startswith("FSDP1 ") and "fsdp_version: 2" in why and "\n" not in why
     model, tok = models.make_tiny(0)
     with pytest.raises(ValueError, match="^SCGRPOTrainer: scale_rewards='batch'"):
         trl_fixed_step(model, tok, tmp_path, scale_rewards="batch")
@@ -2094,3 +2094,157 @@ def test_trl_two_processes_each_get_their_slice_of_the_one_process_advantages(tm
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--trl-worker"]:
     trl_worker(sys.argv[2])
+
+
+
+# ----------------------------------------------------------------------------- TRL under FSDP2 and DeepSpeed ZeRO-3 (two CPU processes)
+
+needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                                   reason="needs DeepSpeed: README's test command installs it")
+
+# GRPOConfig arguments for each sharding, as examples/accelerate_*.yaml set it on GPUs
+SHARDINGS = {"fsdp2": dict(fsdp="full_shard", fsdp_config={"version": 2}),
+             "zero3": dict(deepspeed={
+                 # every parameter partitioned however small (else the tiny head stays whole),
+                 # and save_model writes the whole model
+                 "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                       "stage3_gather_16bit_weights_on_model_save": True},
+                 # given, as main's max_grad_norm: DeepSpeed clips by this, not by TRL's argument
+                 "gradient_clipping": 1.0,
+                 "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto"})}
+
+
+def keep_fsdp_on_cpu():
+    """accelerate drops FSDP under cpu=True (MULTI_CPU, then plain DDP: FSDP never engages);
+    from here on, an AcceleratorState given an FSDP plugin on CPU processes uses it."""
+    from accelerate.state import AcceleratorState, DistributedType, PartialState
+    init = AcceleratorState.__init__
+
+    def init_keeping_fsdp(self, *args, fsdp_plugin=None, **kwargs):
+        init(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
+        if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
+            self.distributed_type = PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+            self.fsdp_plugin = fsdp_plugin
+    AcceleratorState.__init__ = init_keeping_fsdp
+
+
+def sharding_facts(trainer):
+    """How the trainer's model is sharded, read outside any forward pass -> dict."""
+    from deepspeed import DeepSpeedEngine
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+    head = trainer.accelerator.unwrap_model(trainer.model).get_output_embeddings().weight
+    return dict(distributed_type=trainer.accelerator.distributed_type.value, fast=trainer.sc_cfg.fast,
+                fsdp_module=isinstance(trainer.model, FSDPModule),
+                deepspeed_engine=isinstance(trainer.model_wrapped, DeepSpeedEngine),
+                head_rows=(head.to_local() if isinstance(head, DTensor) else head).shape[0],
+                head_numel=head.numel(), head_ds_shape=tuple(getattr(head, "ds_shape", ())))
+
+
+def trl_sharded_worker(out_dir):
+    """Both processes of the sharded test, under torchrun, all in one launch: a DDP run of
+    trl_scgrpo.main, the reference; then for FSDP2 and for ZeRO-3 the fixed batch on a freshly
+    sharded model, with no forward pass before the teacher's, and the same run under that
+    sharding."""
+    import trl_scgrpo as T
+    keep_fsdp_on_cpu()
+    rank, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    run_args = ["--model", "tiny", "--task", "arith", "--steps", "3", "--prompts-per-step", "4"]
+    real_exit, real_config, real_trainer = os._exit, T.GRPOConfig, T.SCGRPOTrainer
+    os._exit = lambda code: None  # main ends with os._exit: here, after the last run
+    T.main([*run_args, "--out", os.path.join(out_dir, "ddp")])
+
+    class Sharded(real_trainer):  # wraps the model at construction, as train() would
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self._prepare_for_training(1, None, None)
+            self.facts = sharding_facts(self)
+    for kind, sharding in SHARDINGS.items():
+        T.SCGRPOTrainer = Sharded
+        out, batch, trainer = trl_fixed_step(*models.make_tiny(0), out_dir, process=(rank, n), **sharding)
+        T.SCGRPOTrainer = real_trainer
+        torch.save(dict(adv=out["advantages"], ref=batch.ref, row=batch.row, facts=trainer.facts),
+                   os.path.join(out_dir, f"{kind}-rank{rank}.pt"))
+        T.GRPOConfig = lambda **kw: real_config(**kw, **sharding)
+        T.main([*run_args, "--out", os.path.join(out_dir, kind)])
+        T.GRPOConfig = real_config
+    torch.distributed.barrier()
+    real_exit(0)  # as trl_scgrpo.main: no interpreter teardown of the gloo group
+
+
+@needs_trl
+@needs_deepspeed
+def test_trl_under_fsdp2_and_zero3_each_rank_gets_its_rows_and_runs_equal_ddp(tmp_path):
+    """Two CPU processes (torchrun, gloo) with the model really sharded (FSDP2: an FSDP module
+    whose head is a DTensor of half the rows; ZeRO-3: a DeepSpeed engine whose head is an empty
+    partition): on the fixed batch each rank gets exactly its rows of the one-process per-token
+    advantages, and 3 training steps log what a DDP run logs. The example configs parse."""
+    from accelerate.commands.config.config_args import load_config_from_file
+    import trl_scgrpo as T
+    fsdp2, zero3 = (load_config_from_file(os.path.join(HERE, "examples", f"accelerate_{k}.yaml"))
+                    for k in SHARDINGS)
+    assert (fsdp2.distributed_type.value, fsdp2.fsdp_config["fsdp_version"]) == ("FSDP", 2)
+    assert (zero3.distributed_type.value, zero3.deepspeed_config["zero_stage"]) == ("DEEPSPEED", 3)
+    assert zero3.deepspeed_config["gradient_clipping"] == SHARDINGS["zero3"]["deepspeed"]["gradient_clipping"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    r = subprocess.run([*torchrun, os.path.join(HERE, "test_scgrpo.py"), "--trl-sharded-worker", str(tmp_path)],
+                       capture_output=True, text=True, timeout=480, cwd=HERE, env=ONE_THREAD)
+    assert r.returncode == 0, r.stderr[-3000:]
+    one = {}  # the one-process advantages: the fast teacher (the default) and the plain one
+    # on one thread, as the workers (ONE_THREAD): with 2 threads the plain teacher's sums split
+    # differently, and its advantages moved by 8.9e-7 (3.1e-5 relative), past the tolerance below
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    real_check = T.logits_are_head_of_hidden
+    try:
+        one["fast"], batch, trainer = trl_fixed_step(*models.make_tiny(0), tmp_path / "one")
+        assert trainer.sc_cfg.fast
+        T.logits_are_head_of_hidden = lambda model: False
+        one["plain"], batch_plain, trainer = trl_fixed_step(*models.make_tiny(0), tmp_path / "one-plain")
+    finally:
+        T.logits_are_head_of_hidden = real_check
+        torch.set_num_threads(threads)
+    assert not trainer.sc_cfg.fast and torch.equal(batch_plain.ref, batch.ref)
+    half = len(REF_TABLE) * REF_G // 2
+    for kind in SHARDINGS:
+        for k in (0, 1):
+            part = torch.load(str(tmp_path / f"{kind}-rank{k}.pt"))
+            facts = part["facts"]
+            assert not facts["fast"], (kind, facts)  # the plain teacher under sharding
+            if kind == "fsdp2":  # the tiny head's 15 rows: 8 on rank 0, 7 on rank 1
+                assert (facts["distributed_type"], facts["fsdp_module"]) == ("FSDP", True), facts
+                assert facts["head_rows"] == (8, 7)[k], facts
+            else:
+                assert (facts["distributed_type"], facts["deepspeed_engine"]) == ("DEEPSPEED", True), facts
+                assert (facts["head_numel"], facts["head_ds_shape"]) == (0, (15, 64)), facts
+            assert torch.equal(part["ref"], batch.ref) and torch.equal(part["row"], batch.row)
+            got = part["adv"]
+            C = got.shape[1]  # each process pads to its own longest answer
+            for teacher, (rtol, atol) in (("plain", (1e-5, 1e-7)), ("fast", (1e-3, 1e-5))):
+                want = one[teacher]["advantages"][k * half:(k + 1) * half]
+                assert not want[:, C:].any()
+                torch.testing.assert_close(got, want[:, :C], rtol=rtol, atol=atol,
+                                           msg=lambda m: f"{kind}, rank {k}, {teacher} teacher: {m}")
+
+    def logs(name):
+        with open(str(tmp_path / name / "log_history.json")) as f:
+            steps = [x for x in json.load(f) if "loss" in x]
+        assert len(steps) == 3 and os.path.isfile(str(tmp_path / name / "model.safetensors")), name
+        return steps
+    # fp32 keeps a log-probability (about log 15 = 2.7 here) to 2.7 * 2^-24 = 1.6e-7, and D (about
+    # 4e-3 at these steps) is a difference of such numbers: any change in the order of operations
+    # (sharded gradient reduction and norm, plain vs blocked teacher) moves D by a few 1e-7, about
+    # 1e-4 of D, and c, f(D), the KL quantiles and the loss with it. rel 1e-3 is ten times that;
+    # abs 1e-6 for the loss (about 1e-3), a mean of terms A f of size 0.1 to 1 that nearly cancel.
+    ddp = logs("ddp")
+    for kind in SHARDINGS:
+        for step, (a, b) in enumerate(zip(logs(kind), ddp)):
+            # the same answers sampled: their lengths, rewards and routes are equal exactly
+            exact = ["completions/mean_length", "reward"] + [k for k in b if k.startswith("sc/groups")]
+            assert [a[k] for k in exact] == [b[k] for k in exact], (kind, step)
+            for key in ["loss", "grad_norm"] + [k for k in b if k.startswith("sc/")]:
+                assert a[key] == pytest.approx(b[key], rel=1e-3, abs=1e-6), (kind, step, key, a[key], b[key])
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--trl-sharded-worker"]:
+    trl_sharded_worker(sys.argv[2])

@@ -28,21 +28,26 @@ num_iterations > 1, or steps_per_generation above the gradient accumulation, the
 that batch reuse weights f(D) measured under the policy that sampled it (as scgrpo.py does for
 its PPO epochs). A PEFT model, or one whose logits are not its LM head applied to the final
 hidden state (soft-capping), gets the plain teacher of scgrpo.py (full logits, F.kl_div; more
-memory); the rest get the fast one.
+memory), and so does a model sharded by FSDP2 or ZeRO-3; the rest get the fast one.
 
-Supported settings, and refused ones (one line at construction): DDP and DeepSpeed ZeRO-1/2 run;
-ZeRO-3 and FSDP are refused (the fast teacher reads the LM head's weight outside a forward pass,
-where it is an empty shard). Refused too: loss_type 'luspo' (a mean over every padded position),
-use_liger_kernel (one advantage per answer), top_entropy_quantile < 1 (it masks tokens after c
-was set over them), scale_rewards other than 'group' and multi_objective_aggregation other than
-'sum_then_normalize' (Eq. (1) over summed rewards replaces both). loss_type other than 'grpo'
-(the paper's per-sequence mean) runs, with a one-line note.
+Supported settings, and refused ones (one line at construction): DDP, FSDP2 and DeepSpeed ZeRO-3
+run (each tested on two CPU processes), and ZeRO-1/2 (never run). Under FSDP2 and ZeRO-3 the
+LM head's weight is a shard outside a forward pass, so the teacher scores through model(...)
+itself, whose hooks gather each module's parameters in turn: the plain teacher, at the memory of
+full logits (docs/trl.md). FSDP1 is refused (the teacher would run the unwrapped module, whose
+parameters are flat shards; use FSDP2). Refused too: loss_type 'luspo' (a mean over every padded
+position), use_liger_kernel (one advantage per answer), top_entropy_quantile < 1 (it masks tokens
+after c was set over them), scale_rewards other than 'group' and multi_objective_aggregation
+other than 'sum_then_normalize' (Eq. (1) over summed rewards replaces both). loss_type other
+than 'grpo' (the paper's per-sequence mean) runs, with a one-line note.
 
 Run it (the same dataset format as scgrpo.py's tasks; `--help` for every flag):
     python trl_scgrpo.py --model tiny --task arith --steps 30                 # CPU, a minute
     python trl_scgrpo.py --model SmolLM2-135M --task addition --steps 4      # CPU, a few minutes
     torchrun --standalone --nproc_per_node 2 trl_scgrpo.py --steps 3   # two CPU processes
     accelerate launch --num_processes 8 trl_scgrpo.py --model Qwen3-1.7B --task gsm8k --use-vllm
+    accelerate launch --config_file examples/accelerate_fsdp2.yaml trl_scgrpo.py --bf16 ...  # FSDP2
+    accelerate launch --config_file examples/accelerate_zero3.yaml trl_scgrpo.py --bf16 ... # ZeRO-3
 """
 import argparse
 import json
@@ -62,13 +67,13 @@ from machinery.tasks import load_task
 import scgrpo as S
 
 
-def refusal(args, zero3=False, fsdp=False):
+def refusal(args, fsdp_version=None):
     """The first setting this trainer cannot honour, as one line with its fix; None if none.
-    args: a GRPOConfig; zero3, fsdp: whether the launcher shards parameters that way."""
-    if zero3 or fsdp:
-        return (f"{'DeepSpeed ZeRO-3' if zero3 else 'FSDP'} is not supported: the teacher reads the "
-                "LM head's weight outside a forward pass, where it is an empty shard; use ZeRO-1/2 "
-                "or DDP")
+    args: a GRPOConfig; fsdp_version: 1 or 2 when the launcher shards parameters with FSDP."""
+    if fsdp_version == 1:
+        return ("FSDP1 (fsdp_version 1) is not supported: the teacher would score through the "
+                "unwrapped module, whose flat parameters are shards outside the FSDP wrapper; "
+                "set fsdp_version: 2 (FSDP2) or use DeepSpeed ZeRO-3")
     if args.loss_type == "luspo":
         return ("loss_type='luspo' averages over every padded position, which would scale the "
                 "per-token advantages by 1/T; use 'grpo' (the paper's), 'dr_grpo', 'bnpo' or 'dapo'")
@@ -128,18 +133,26 @@ class SCGRPOTrainer(GRPOTrainer):
     def __init__(self, *args, c_min=1e-4, kl_quantile=0.75, alpha_div=0.1, teacher_micro_batch=8,
                  **kwargs):
         super().__init__(*args, **kwargs)
-        plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
+        state = self.accelerator.state
+        plugin = getattr(state, "deepspeed_plugin", None)
         zero3 = bool(self.is_deepspeed_enabled and plugin and plugin.zero_stage == 3)
-        why = refusal(self.args, zero3, self.is_fsdp_enabled)
+        fsdp_version = state.fsdp_plugin.fsdp_version if self.is_fsdp_enabled else None
+        why = refusal(self.args, fsdp_version)
         if why:
             raise ValueError(f"SCGRPOTrainer: {why}")
         if self.args.loss_type != "grpo":
             warnings.warn(f"SCGRPOTrainer: loss_type={self.args.loss_type!r} normalises the loss "
                           "differently from the paper's per-sequence mean ('grpo')", stacklevel=2)
         model = self.accelerator.unwrap_model(self.model)
-        # The fast teacher (speed.py) reads the final hidden state and the head's weight; a PEFT
-        # model or soft-capped logits get the plain teacher (full logits through the model).
-        fast = not is_peft_model(model) and logits_are_head_of_hidden(model)
+        # The fast teacher (machinery/speed.py) calls the inner model and reads the head's
+        # weight; a PEFT model or soft-capped logits get the plain teacher (full logits through
+        # the model). So do FSDP2 and ZeRO-3: there, outside the model's own forward, the head's
+        # weight is a shard (FSDP2: a DTensor of 1/N of its rows; ZeRO-3: an empty tensor), and
+        # the inner model runs without its root's hooks. The plain teacher calls model(...)
+        # only, whose hooks gather each module's parameters in turn, the same calls on every
+        # process.
+        self.sharded = zero3 or fsdp_version == 2
+        fast = not self.sharded and not is_peft_model(model) and logits_are_head_of_hidden(model)
         self.sc_cfg = S.Config(algo="scgrpo", group_size=self.num_generations, c_min=c_min,
                                kl_quantile=kl_quantile, alpha_div=alpha_div, fast=fast,
                                temperature=self.args.temperature, micro_batch=teacher_micro_batch)
