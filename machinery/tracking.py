@@ -98,7 +98,7 @@ class TensorBoard:
 
 class WandB:
     def __init__(self, out_dir, run_name, config):
-        wandb = load("wandb")
+        self.wandb = wandb = load("wandb")
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT") or "scgrpo", name=run_name,
                               dir=out_dir, config=config)
 
@@ -107,6 +107,7 @@ class WandB:
 
     def close(self):
         self.run.finish()
+        self.wandb.teardown()  # waits for W&B's writer process: the run file is whole after this
 
 
 class Trackio:
