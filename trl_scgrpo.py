@@ -61,7 +61,7 @@ from accelerate.utils import gather_object, is_peft_model
 from trl import GRPOConfig, GRPOTrainer
 
 from machinery import die
-from machinery.cli import check_config
+from machinery.cli import ArgParser, check_config
 from machinery.models import TINY_TEMPLATE, load_model, logits_are_head_of_hidden
 from machinery.tasks import load_task
 import scgrpo as S
@@ -227,41 +227,68 @@ class SCGRPOTrainer(GRPOTrainer):
         return out
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description="SC-GRPO with TRL's GRPOTrainer.")
-    ap.add_argument("--model", default="tiny", help="as scgrpo.py: tiny, SmolLM2-135M, a hub id")
-    ap.add_argument("--task", default="arith", help="as scgrpo.py: arith, addition or gsm8k")
+def parse_args(argv=None):
+    """The command line -> (args, scgrpo Config of the same settings, checked by scgrpo's own
+    check_config: one line and exit code 2 for bad input, before anything loads)."""
+    tiny = S.PRESETS["tiny"]
+    ap = ArgParser(description="SC-GRPO with TRL's GRPOTrainer.", allow_abbrev=False)
+    ap.add_argument("--model", default="tiny", help="as scgrpo.py: tiny, SmolLM2-135M, a hub id "
+                    "(default tiny)")
+    ap.add_argument("--task", default="arith", choices=("gsm8k", "arith", "addition"),
+                    help="as scgrpo.py (default arith)")
     ap.add_argument("--data", default="", help="as scgrpo.py: a folder with train.jsonl")
-    ap.add_argument("--steps", type=int, default=30, help="optimizer steps")
-    ap.add_argument("--prompts-per-step", type=int, default=8, help="questions per step, in all")
-    ap.add_argument("--group-size", type=int, default=8, help="G answers per question")
-    ap.add_argument("--max-new-tokens", type=int, help="answer cap; default: scgrpo's preset")
-    ap.add_argument("--temperature", type=float, help="default: scgrpo's preset")
-    ap.add_argument("--lr", type=float, help="default: scgrpo's preset")
-    ap.add_argument("--bf16", action="store_true", help="bf16 mixed precision (a GPU)")
-    ap.add_argument("--use-vllm", action="store_true", help="generate with vLLM (TRL's option)")
-    ap.add_argument("--out", default="runs/trl-scgrpo", help="TRL's output folder")
-    ap.add_argument("--seed", type=int, default=0, help="seeds TRL and the reference choices")
+    ap.add_argument("--steps", type=int, default=30, help="optimizer steps (default 30)")
+    ap.add_argument("--prompts-per-step", type=int, default=8,
+                    help="questions per step, over all processes (default 8)")
+    ap.add_argument("--group-size", type=int, default=8, help="G answers per question (default 8)")
+    for name, kind in (("max-new-tokens", int), ("temperature", float), ("lr", float)):
+        key = name.replace("-", "_")
+        ap.add_argument(f"--{name}", type=kind, default=None,
+                        help=f"default: the model's scgrpo.py preset (tiny: {tiny.get(key, 1.0)})")
+    ap.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=False,
+                    help="bf16 mixed precision, on a GPU (default off)")
+    ap.add_argument("--use-vllm", action=argparse.BooleanOptionalAction, default=False,
+                    help="generate with vLLM, TRL's option (default off)")
+    ap.add_argument("--report-to", default="none",
+                    choices=("none", "tensorboard", "wandb", "trackio"),
+                    help="TRL's report_to: where its logs go besides log_history.json "
+                    "(default none)")
+    ap.add_argument("--out", default="runs/trl-scgrpo", help="TRL's output folder "
+                    "(default runs/trl-scgrpo)")
+    ap.add_argument("--seed", type=int, default=0, help="seeds TRL and the reference choices "
+                    "(default 0)")
     args = ap.parse_args(argv)
+    preset = S.PRESETS.get(args.model, S.PRESETS["hub"])
+    given = {k: getattr(args, k) for k in ("max_new_tokens", "temperature", "lr")
+             if getattr(args, k) is not None}  # an explicit 0 is checked, not replaced
+    answers = args.prompts_per_step * args.group_size
+    cfg = S.Config(**{**preset, **given, **dict(
+        model=args.model, task=args.task, data=args.data, steps=args.steps,
+        prompts_per_step=args.prompts_per_step, group_size=args.group_size, seed=args.seed,
+        report_to=args.report_to, out=args.out, fast=False,
+        micro_batch=max(1, min(preset["micro_batch"], answers)))})  # TRL micro-batches on its own
+    check_config(cfg, resuming=True)  # TRL may reuse its output folder (no metrics.jsonl there)
+    return args, cfg
+
+
+def main(argv=None):
+    args, cfg = parse_args(argv)
     from accelerate import PartialState
     from datasets import Dataset
     answers = args.prompts_per_step * args.group_size
     processes = PartialState(cpu=not torch.cuda.is_available()).num_processes
     if answers % processes:
         die(f"--prompts-per-step x --group-size ({answers}) must split evenly over {processes} "
-              "processes")
-    preset = S.PRESETS.get(args.model, S.PRESETS["hub"])
-    cfg = S.Config(model=args.model, task=args.task, data=args.data)
-    check_config(cfg)
+            "processes")
     model, tok = load_model(cfg.model, args.seed)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     config = GRPOConfig(
-        output_dir=args.out, max_steps=args.steps, seed=args.seed, report_to="none",
+        output_dir=args.out, max_steps=args.steps, seed=args.seed, report_to=args.report_to,
         per_device_train_batch_size=answers // processes, num_generations=args.group_size,
-        max_completion_length=args.max_new_tokens or preset["max_new_tokens"], top_p=1.0, top_k=0,
-        temperature=args.temperature or preset.get("temperature", 1.0), beta=0.0, num_iterations=1,
-        learning_rate=args.lr or preset["lr"], loss_type="grpo", max_grad_norm=1.0, bf16=args.bf16,
+        max_completion_length=cfg.max_new_tokens, top_p=1.0, top_k=0,
+        temperature=cfg.temperature, beta=0.0, num_iterations=1,
+        learning_rate=cfg.lr, loss_type="grpo", max_grad_norm=1.0, bf16=args.bf16,
         use_vllm=args.use_vllm, save_strategy="no", logging_steps=1,
         use_cpu=not torch.cuda.is_available(),  # several CPU processes need accelerate's cpu mode
         chat_template_kwargs={"enable_thinking": False})
