@@ -1598,6 +1598,20 @@ def test_eq5_length_tool_reports_the_correlations_of_its_own_pairs(tmp_path):
     assert res["spearman"] == pytest.approx(pearson(naive_ranks(adv), naive_ranks(n)), abs=1e-9)
     G = S.PRESETS["tiny"]["group_size"]
     assert max(abs(a) for a in adv) <= 0.1 * math.sqrt(G - 2) + 1e-6  # alpha * the largest z-score of G-1
+    # the tool's own Eq. (5), the paper's window, gives scgrpo.py's advantages on the same answers
+    paper = [tuple(p) for g in res["variant_pairs"]["paper"] for p in g]
+    assert [n for _, n in paper] == n and [a for a, _ in paper] == pytest.approx(adv, abs=1e-6)
+    assert res["variants"]["paper"]["pearson"] == pytest.approx(pearson(adv, n), abs=1e-6)
+    # the variants by hand: f(D) of two answers (lengths 3 and 2, zero past their window), |o_r| = 4
+    w, lens = torch.tensor([[0.2, 0.4, 0.6, 0.0], [0.5, 0.1, 0.0, 0.0]]), torch.tensor([3, 2, 4])
+    z = 0.1 * 0.05 / (0.05 + 1e-6)  # s = (0.4, 0.3): +-1 z-score, times alpha
+    assert eq5_length.variant_advantages(w, lens, "paper").tolist() == pytest.approx([z, -z], abs=1e-7)
+    assert eq5_length.variant_advantages(w, lens, "group_window").tolist() == pytest.approx([0, 0], abs=1e-7)
+    z = 0.1 * 0.2 / (0.2 + 1e-6)  # t = 1 only for the first (its EOS at t = 2), nothing for the second
+    assert eq5_length.variant_advantages(w, lens, "no_first_eos").tolist() == pytest.approx([z, -z], abs=1e-7)
+    assert eq5_length.variant_advantages(w, lens, "no_std").tolist() == pytest.approx([0.005, -0.005], abs=1e-7)
+    groups = [[(1.0, 3), (0.0, 1)], [(2.0, 5), (4.0, 1), (3.0, 3)]]  # centred: (.5, 1), (-.5, -1), (-1, 2), (1, -2), (0, 0)
+    assert eq5_length.centred_correlation(groups) == pytest.approx(pearson([.5, -.5, -1, 1, 0], [1, -1, 2, -2, 0]))
 
 
 # ----------------------------------------------------------------------------- tracking, curves, stale runs, flags
