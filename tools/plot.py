@@ -25,7 +25,8 @@ import re
 import sys
 
 MATPLOTLIB = "matplotlib==3.11.2"   # as requirements-bench.txt pins it
-IGNORED = ("out", "seed")           # config fields that never make two runs different settings
+# config fields that never make two runs different settings
+IGNORED = ("out", "seed", "report_to", "log_every", "save_every", "eval_only")
 
 
 def die(msg):
