@@ -112,7 +112,7 @@ RANGES = [
     ("lr", lambda v: v > 0, "> 0"),
     ("weight_decay", lambda v: v >= 0, ">= 0"),
     ("temperature", lambda v: v > 0, "> 0 (greedy decoding is for evaluation only)"),
-    ("epsilon", lambda v: 0 < v < 1, "in (0, 1): the ratio is clipped to [1 - epsilon, ...]"),
+    ("epsilon", lambda v: 0 < v < 1, "in (0, 1) (the ratio is clipped below at 1 - epsilon)"),
     ("epsilon_high", lambda v: v >= 0, ">= 0 (0: the same as --epsilon)"),
     ("max_grad_norm", lambda v: v > 0, "> 0 (0 would zero every gradient)"),
     ("c_min", lambda v: v > 0, "> 0 (f(D) = D / (D + c) needs c > 0)"),
