@@ -39,11 +39,10 @@ Every line below runs as written unless --fast is on (the real-model presets tur
 three steps, each marked `if cfg.fast:`, call machinery/speed.py for the same numbers, faster
 (tests hold the two equal). machinery/ holds the rest: flags, data, models, the run folder.
 
-Run it (--help lists every flag and the presets; --resume RUN continues a run):
+Run it (--help lists every flag and the presets; --resume RUN continues a run; --algo grpo, dapo):
     python scgrpo.py                                        # tiny model, offline, CPU
     python scgrpo.py --model SmolLM2-135M --task addition   # real model, offline, CPU, ~8 min
     python scgrpo.py --model Qwen2.5-0.5B --task gsm8k      # one 24 GB GPU
-    python scgrpo.py --algo grpo                            # the baseline (or dapo)
     python scgrpo.py --eval-only --model runs/<run>/final   # score a model, no training
 """
 import math
@@ -60,14 +59,15 @@ from machinery.batching import decode, distinct, join, left_pad, pack, select_gr
 from machinery.cli import parse_config  # flags -> Config: preset, then explicit flags; checks
 from machinery.credit import credit_examples  # the answers shown on the credit page
 from machinery.models import TINY_TEMPLATE, autocast
-from machinery.runs import Phases, Run, kl_metrics  # the run folder: logs, checkpoints, resume
+from machinery.runs import (Phases, Run, gradient_norm, kl_metrics, relative_change,
+                            step_metrics)  # the run folder and what it logs
 from machinery.tasks import Batcher
 # Bookkeeping helpers: left_pad(token lists, pad_id, device) -> ids, mask (B, P), padded on the
 # left so every prompt ends in the last column; decode(tok, ids, mask) -> N texts; pack(rollout,
 # rows[, n]) -> ids, mask (b, L) of those answers (or their first n tokens); distinct(keys, device)
 # -> (the distinct keys, each key's index among them); join(rollouts), select_groups(rollout,
 # groups), take_rows(batch, rows): concatenate or pick rows; autocast(model): bf16 if --dtype
-# asked for it, else a no-op; Batcher(n, seed).take(k): k question indices, a seeded order.
+# asked for it, else a no-op. Batcher, Phases, Run: see where train() and train_step() use them.
 
 # Config -------------------------------------------------------------------------------------------
 
@@ -79,8 +79,7 @@ def setting(default, help, choices=None):
 
 @dataclass
 class Config:
-    """Every setting of a run, saved with it. The model's preset (PRESETS, below) replaces
-    some of these defaults; a flag given on the command line beats both."""
+    """Every setting of a run, saved with it; PRESETS, then the flags given, beat these defaults."""
     model: str = setting("tiny", "tiny (built in), SmolLM2-135M, a .gguf, Qwen2.5-0.5B, a hub id")
     task: str = setting("arith", "gsm8k (hub), or offline: arith (a+b=), addition (sums in words)",
                         ("gsm8k", "arith", "addition"))
@@ -117,6 +116,9 @@ class Config:
                          ("auto", "bf16", "fp32"))
     out: str = setting("", "run folder; default runs/<model>-<task>-<algo>-s<seed>-<time>")
     fast: bool = setting(False, "machinery/speed.py in place of 3 plain steps: same math, faster")
+    eq5_only_step: str = setting("step", "skip (not the paper's): no update when Eq. (5) is a "
+                                 "step's only gradient", ("step", "skip"))
+    log_update_size: bool = setting(False, "log ||delta theta|| / ||theta|| (holds a weight copy)")
     report_to: str = setting("none", "a tracker too", ("none", "tensorboard", "wandb", "trackio"))
     eval_only: bool = setting(False, "evaluate --model (a hub id, .gguf or folder) and stop")
 
@@ -233,10 +235,9 @@ class Rollout:
 
 @torch.no_grad()
 def sample(model, prompts, n, max_new, temperature, eos_ids, pad_id, gen):
-    """n answers to each prompt, plainly: every step runs the whole sequence so far through the
-    model (no KV cache) and draws the next token from softmax(logits / T), the distribution the
-    loss scores (no top-k / top-p); T = 0 is greedy. -> ids (N, L) padded with pad_id, mask
-    (N, L) True up to and including the first EOS."""
+    """n answers to each prompt, plainly: each step runs the whole sequence so far (no KV cache)
+    and draws the next token from softmax(logits / T), the distribution the loss scores (no top-k
+    or top-p); T = 0 is greedy. -> ids (N, L) padded with pad_id, mask (N, L) True to 1st EOS."""
     device = next(model.parameters()).device
     ids, attn = left_pad([p for p in prompts for _ in range(n)], pad_id, device)   # (N, P)
     N, P = ids.shape
@@ -408,10 +409,9 @@ def answer_logprobs(model, cfg, ro, rows):
 
 @torch.no_grad()
 def teacher_kl(model, cfg, ro, rows, teacher_prompts, prompt_of, ids, mask):
-    """D_it = KL(teacher || student) at each active token (n of them) of the answers `rows` (b,)
-    of rollout ro: the teacher, the same model with a reference in its prompt (Eq. 4), scores
-    the same answer tokens. teacher_prompts: the distinct ones; prompt_of (b,): each answer's;
-    ids, mask (b, L): the answers, mask True on active tokens. -> D (n,)"""
+    """D_it = KL(teacher || student) at the n active tokens of the answers `rows` (b,): the teacher
+    (the same model, a reference in its prompt, Eq. 4) scores the same tokens. teacher_prompts:
+    the distinct ones, prompt_of (b,) each answer's; ids, mask (b, L) True if active. -> D (n,)"""
     if cfg.fast:  # speed.teacher_kl in place of the five statements below
         return speed.teacher_kl(model, ro, rows, teacher_prompts, prompt_of, ids, mask,
                                 cfg.temperature)
@@ -538,8 +538,8 @@ def sample_groups(model, tok, cfg, train_set, batcher, gen, eos_ids):
 
 
 def update(model, optimizer, cfg, ro, batch):
-    """ppo_epochs AdamW steps on the clipped objective, gradients accumulated over
-    micro-batches. -> (loss, clip_frac, grad_norm, stepped)"""
+    """ppo_epochs AdamW steps on the clipped objective, gradients accumulated over micro-batches.
+    -> (dict of loss, clip_frac, grad_norm, grad_norm_none, update_size; stepped)"""
     device, G = ro.mask.device, cfg.group_size
     lengths = ro.lengths.view(-1)[batch.row]                                       # (M,)
     total_tokens = int(lengths.sum())
@@ -548,18 +548,21 @@ def update(model, optimizer, cfg, ro, batch):
     B = len(ro.problems)
     scale = (torch.full((len(lengths),), 1.0 / max(1, total_tokens)) if cfg.algo == "dapo"
              else (1.0 / (B * G * lengths.double())).float())                     # (M,)
-    # Longest prompts first (a memory problem shows at once), a group's answers side by side.
-    group = (batch.row // G).tolist()                                              # (M,)
-    order = sorted(range(len(group)),
-                   key=lambda m: (-len(ro.prompts[group[m]]), group[m], -int(lengths[m])))
+    # Solve-none answers first (the gradient norm after them is Eq. (5)'s part), then longest
+    # prompts first (a memory problem shows at once), a group's answers side by side.
+    group, n_none = (batch.row // G).tolist(), batch.route.count("solve_none")     # (M,), 1
+    order = sorted(range(len(group)), key=lambda m: (
+        batch.route[m] != "solve_none", -len(ro.prompts[group[m]]), group[m], -int(lengths[m])))
     batch, scale = batch[order], scale[order]
-    mbs = [slice(s, s + cfg.micro_batch) for s in range(0, len(order), cfg.micro_batch)]
+    mbs = [slice(s, min(s + cfg.micro_batch, n_none)) for s in range(0, n_none, cfg.micro_batch)]
+    mbs += [slice(s, s + cfg.micro_batch) for s in range(n_none, len(order), cfg.micro_batch)]
     eps_high = cfg.epsilon_high or (DAPO_EPS_HIGH if cfg.algo == "dapo" else cfg.epsilon)
     old = []
     if cfg.ppo_epochs > 1:  # old log-probs, frozen for all epochs
         with torch.no_grad():
             old = [answer_logprobs(model, cfg, ro, batch[s].row)[0] for s in mbs]
-    loss_sum, clip_sum, grad_norm, stepped = 0.0, 0.0, 0.0, False
+    loss_sum, clip_sum, grad_norm, norm_none, stepped = 0.0, 0.0, 0.0, 0.0, False
+    before = [p.detach().clone() for p in model.parameters()] if cfg.log_update_size else None
     model.train(cfg.grad_checkpoint)  # HF checkpoints layers only in train mode; no dropout
     for _ in range(cfg.ppo_epochs if len(order) else 0):
         loss_sum, clip_sum = 0.0, 0.0
@@ -575,6 +578,8 @@ def update(model, optimizer, cfg, ro, batch):
                 eps_high=eps_high)
             loss.backward()
             loss_sum, clip_sum = loss_sum + loss.item(), clip_sum + n_clipped
+            # after the last solve-none micro-batch the gradient is Eq. (5)'s alone
+            norm_none = gradient_norm(model) if s.stop == n_none else norm_none
         grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
         if not (math.isfinite(loss_sum) and math.isfinite(grad_norm)):
             break  # a non-finite step is skipped, never applied
@@ -583,7 +588,8 @@ def update(model, optimizer, cfg, ro, batch):
         stepped = True
     optimizer.zero_grad(set_to_none=True)
     model.eval()  # the sampler needs eval mode: HF turns the KV cache off under checkpointing
-    return loss_sum, clip_sum / max(1, total_tokens), grad_norm, stepped
+    return dict(loss=loss_sum, clip_frac=clip_sum / max(1, total_tokens), grad_norm=grad_norm,
+                grad_norm_none=norm_none, update_size=relative_change(model, before)), stepped
 
 
 def train_step(model, optimizer, tok, cfg, train_set, batcher, rng, gen, eos_ids):
@@ -598,18 +604,12 @@ def train_step(model, optimizer, tok, cfg, train_set, batcher, rng, gen, eos_ids
     scored = (batch.ref >= 0).nonzero().squeeze(1).tolist()  # rows with a reference
     sc_stats = self_condition(model, tok, cfg, ro, batch) if scored else {}
     clock.lap("teacher")
-    loss, clip_frac, grad_norm, stepped = update(model, optimizer, cfg, ro, batch)
+    eq5_only = bool(batch.route) and set(batch.route) == {"solve_none"}  # no reward gradient
+    trained = batch[[]] if eq5_only and cfg.eq5_only_step == "skip" else batch  # not the paper's
+    upd, stepped = update(model, optimizer, cfg, ro, trained)
     clock.lap("update")
-    metrics = dict(
-        reward_mean=float(sampled.correct.mean()), loss=loss, grad_norm=grad_norm,
-        clip_frac=clip_frac, len_mean=float(sampled.lengths.float().mean()),
-        groups_skipped=routes.count("skip"), groups_partial=routes.count("partial"),
-        groups_none=routes.count("solve_none"), groups_fallback=routes.count("fallback"),
-        answers_updated=len(batch.route), **sc_stats, nonfinite=bool(batch.route) and not stepped,
-        **clock.seconds, **clock.memory)
-    if cfg.algo == "dapo":
-        dropped = len(sampled.problems) - len(ro.problems)
-        metrics.update(sample_rounds=rounds, groups_dropped=dropped)
+    metrics = step_metrics(cfg, sampled, ro, routes, trained, clock, rounds, **upd, **sc_stats,
+                           eq5_only=eq5_only, nonfinite=bool(trained.route) and not stepped)
     return metrics, credit_examples(tok, cfg, ro, batch, scored)
 
 # The training loop --------------------------------------------------------------------------------
@@ -627,7 +627,7 @@ def train(cfg, resume=""):
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     rng = random.Random(cfg.seed)                            # which answer is whose reference
     gen = torch.Generator(run.device).manual_seed(cfg.seed)  # the sampler's draws
-    batcher = Batcher(len(run.train_set), cfg.seed)          # which questions each step
+    batcher = Batcher(len(run.train_set), cfg.seed)          # questions: a seeded order per epoch
     start = run.begin(optimizer, rng, gen, batcher)  # 1, or after resume the next step (restored)
     if start == 1:
         run.log_eval(0, *evaluate(model, tok, run.eval_set, cfg, run.eos_ids))

@@ -238,14 +238,14 @@ def fixed_rollout(model, tok, cfg, rows):
         hidden if keep else None, lse if keep else None)
 
 
-def project_step(algo, monkeypatch, lr, micro_batch=3, epochs=2, seed=0, fast=True):
+def project_step(algo, monkeypatch, lr, micro_batch=3, epochs=2, seed=0, fast=True, **settings):
     """One train_step of scgrpo.py on REF_TABLE (its sampler replaced by the fixed rollout),
     optimised by plain SGD with no gradient clipping.
     -> (the rollout and the Batch the update received, metrics, gradients of each epoch)"""
     model, tok = models.make_tiny(0)
     cfg = S.Config(algo=algo, group_size=REF_G, prompts_per_step=len(REF_TABLE), micro_batch=micro_batch,
                    max_new_tokens=REF_MAX_NEW, temperature=REF_T, ppo_epochs=epochs,
-                   max_grad_norm=1e9, dapo_max_rounds=1, fast=fast)
+                   max_grad_norm=1e9, dapo_max_rounds=1, fast=fast, **settings)
     rows = [{"question": q, "answer": "#### 0"} for q, _, _ in REF_TABLE]
     monkeypatch.setattr(S, "rollout", lambda model, tok, cfg, rows, gen, eos: fixed_rollout(
         model, tok, cfg, rows))
@@ -309,6 +309,66 @@ def check_against_reference(algo, monkeypatch, micro_batch=3, fast=True):
         for (p, _), got, want in zip(model.named_parameters(), got_grads[epoch], want_grads[epoch]):
             err = float((got - want).norm() / want.norm())
             assert err < 1e-3, (algo, epoch, p, err)
+
+
+def test_step_diagnostics_split_the_gradient_and_measure_the_update(monkeypatch):
+    """On REF_TABLE (a partial, a solve-none, a fallback and a skipped group), one SGD step:
+    grad_norm_none is the norm of the plain reference gradient of the solve-none answers' terms
+    alone, grad_norm that of all of them; update_size = ||theta_1 - theta_0|| / ||theta_0||, which
+    for SGD without clipping is lr * grad_norm / ||theta_0|| by hand; the step is not Eq. (5)-only."""
+    lr = 0.03
+    ro, batch, metrics, _ = project_step("scgrpo", monkeypatch, lr, epochs=1, log_update_size=True)
+    model, tok = models.make_tiny(0)
+    theta_0 = float(torch.cat([p.detach().flatten() for p in model.parameters()]).norm())
+    questions, answers, correct = ([x[k] for x in REF_TABLE] for k in range(3))
+    at, refs = by_answer(ro, batch), {}
+    for (q, i), m in at.items():
+        if int(batch.ref[m]) >= 0:
+            refs[questions.index(q), i] = int(batch.ref[m]) % REF_G
+    _, adv, weights, _ = reference_credit(model, tok, questions, answers, correct, refs)
+    norms = []
+    for keep in (lambda b: b == 1, lambda b: True):  # group 1 is the solve-none one
+        grads, _ = reference_update(model, tok, questions, answers, adv, {k: w for k, w in weights.items()
+                                    if keep(k[0])}, len(REF_TABLE), "scgrpo", RecordingSGD(model.parameters(), 0.0),
+                                    epochs=1)
+        norms.append(float(torch.cat([g.flatten() for g in grads[0]]).norm()))
+    assert metrics["grad_norm_none"] == pytest.approx(norms[0], rel=1e-3) and 0 < norms[0] < norms[1]
+    assert metrics["grad_norm"] == pytest.approx(norms[1], rel=1e-3)
+    assert metrics["update_size"] == pytest.approx(lr * metrics["grad_norm"] / theta_0, rel=1e-5)
+    assert metrics["eq5_only"] is False
+
+
+@pytest.mark.parametrize("policy", ["step", "skip"])
+def test_a_step_whose_only_gradient_is_eq5_is_skipped_only_when_asked(policy, monkeypatch):
+    """--eq5-only-step skip: a step whose every group is solve-none applies no update (weights
+    and AdamW's state untouched, not counted as non-finite); a step with a reward-carrying group
+    still updates. step (the paper's): the Eq. (5)-only step updates, grad_norm_none = grad_norm."""
+    model, tok = models.make_tiny(0)
+    cfg = S.Config(algo="scgrpo", group_size=REF_G, prompts_per_step=len(REF_TABLE), micro_batch=3,
+                   max_new_tokens=REF_MAX_NEW, temperature=REF_T, eq5_only_step=policy)
+    rows = [{"question": q, "answer": "#### 0"} for q, _, _ in REF_TABLE]
+    wrong = {"all": True}
+
+    def rollout(model, tok, cfg, rows, gen, eos):
+        ro = fixed_rollout(model, tok, cfg, rows)
+        if wrong["all"]:  # every group solve-none: Eq. (5) is the step's only gradient
+            ro.correct, ro.reward = torch.zeros_like(ro.correct), torch.zeros_like(ro.reward)
+        return ro
+    monkeypatch.setattr(S, "rollout", rollout)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for all_wrong in (True, False):
+        wrong["all"] = all_wrong
+        before = [p.detach().clone() for p in model.parameters()]
+        m, _ = S.train_step(model, opt, tok, cfg, rows, tasks.Batcher(len(rows), 0), random.Random(0),
+                            torch.Generator().manual_seed(0), [0])
+        moved = any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+        assert m["eq5_only"] is all_wrong and m["nonfinite"] is False
+        if all_wrong and policy == "skip":
+            assert not moved and m["answers_updated"] == 0 and opt.state == {}
+        else:
+            assert moved and m["answers_updated"] > 0
+        if all_wrong and policy == "step":
+            assert m["groups_none"] == len(REF_TABLE) and m["grad_norm_none"] == pytest.approx(m["grad_norm"], rel=1e-6)
 
 
 @pytest.mark.parametrize("fast", [True, False], ids=["fast", "plain"])

@@ -49,6 +49,36 @@ def kl_metrics(kl, active, weights, c):
                 kl_nonfinite=int(nonfinite.sum()))
 
 
+def gradient_norm(model):
+    """The L2 norm of every parameter's accumulated gradient, as clip_grad_norm_ measures it."""
+    grads = [p.grad.detach().float().norm() for p in model.parameters() if p.grad is not None]
+    return float(torch.stack(grads).norm()) if grads else 0.0
+
+
+def relative_change(model, before):
+    """||theta - before|| / ||before|| over all parameters (--log-update-size); None without."""
+    if before is None:
+        return None
+    moved = sum(float((p.detach().float() - b.float()).pow(2).sum())
+                for p, b in zip(model.parameters(), before))
+    return (moved / sum(float(b.float().pow(2).sum()) for b in before)) ** 0.5
+
+
+def step_metrics(cfg, sampled, ro, routes, batch, clock, rounds, **more):
+    """A training step's line of metrics.jsonl (docs/metrics.md): reward, length and routes of
+    everything sampled, the answers updated, the update's and the teacher's numbers (more), the
+    seconds and CUDA memory of each phase; DAPO's sampling rounds and dropped groups."""
+    m = dict(reward_mean=float(sampled.correct.mean()),
+             len_mean=float(sampled.lengths.float().mean()),
+             groups_skipped=routes.count("skip"), groups_partial=routes.count("partial"),
+             groups_none=routes.count("solve_none"), groups_fallback=routes.count("fallback"),
+             answers_updated=len(batch.route), **{k: v for k, v in more.items() if v is not None},
+             **clock.seconds, **clock.memory)
+    if cfg.algo == "dapo":
+        m.update(sample_rounds=rounds, groups_dropped=len(sampled.problems) - len(ro.problems))
+    return m
+
+
 class Phases:
     """Seconds and, on CUDA, peak GiB allocated in each phase of a step: lap(name) ends the
     phase `name` -> seconds['t_name'], memory['mem_name_gb']."""
