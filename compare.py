@@ -23,6 +23,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import random
 import re
 import shutil
 import statistics
@@ -50,6 +51,12 @@ STUDIES = {
                                     "--eval-every", "4", "--eval-k", "0"],
                              seeds=[0, 1, 2], reach=None, gain=0.10,
                              arms=["grpo", "scgrpo", "scgrpo-nodiv", "scgrpo-lr"]),
+    # The paper's regime (docs/paper_regime.md): 8 questions x 8 answers a step as the paper
+    # updates on, 20 steps, greedy accuracy every 4, five paired seeds (seed s gives every arm the
+    # same first batch), the update size logged; the third arm skips Eq. (5)-only steps.
+    "smollm2-paper": dict(flags=["--model", "SmolLM2-135M", "--task", "addition", "--prompts-per-step", "8",
+                                 "--steps", "20", "--eval-every", "4", "--eval-k", "0", "--log-update-size"],
+                          seeds=[0, 1, 2, 3, 4], reach=None, gain=0.10, arms=["grpo", "scgrpo", "scgrpo-skip"]),
 }
 
 # An arm is an algorithm plus the scgrpo.py flags that change it; each algorithm is an arm of its own.
@@ -61,6 +68,8 @@ ARMS = {
     # the learning rate x 1 / (mean f(D) of the scgrpo arm): measured from that arm's runs, so this
     # arm runs after the others (a function name in place of flags)
     "scgrpo-lr": ("scgrpo", "lr_matched"),
+    # not the paper's: a step whose only gradient is Eq. (5)'s applies no update
+    "scgrpo-skip": ("scgrpo", ["--eq5-only-step", "skip"]),
 }
 
 
@@ -200,7 +209,7 @@ def run_one(arm, seed, out_root, flags, rerun_stale=False):
                 # the gradient; with --alpha-div 0 there was none)
                 eq5_only=sum(m["groups_none"] > 0 and m["groups_partial"] + m["groups_fallback"] == 0
                              for m in steps),
-                n_steps=len(steps),
+                n_steps=len(steps), last_len=steps[-1]["len_mean"], steps=steps,
                 seconds=sum(m["seconds"] for m in lines if "seconds" in m))
 
 
@@ -320,6 +329,56 @@ def mechanics(results, arms):
     return "\n".join(rows)
 
 
+def collapsed(r):
+    """A run that ended answering with (almost) nothing or solving no held-out question."""
+    return r["last_len"] < 3 or r["curve"][-1][1] == 0
+
+
+def bootstrap_interval(diffs, level=0.90, n=10000, seed=0):
+    """Percentile bootstrap interval for the mean of paired differences (the seeds resampled)."""
+    rng = random.Random(seed)
+    means = sorted(statistics.mean(rng.choices(diffs, k=len(diffs))) for _ in range(n))
+    return means[int(n * (1 - level) / 2)], means[int(n * (1 + level) / 2) - 1]
+
+
+def paired(results, arms, base="grpo"):
+    """Final greedy accuracy per arm (mean, median, range), its paired difference to `base`
+    (the same seed, so the same first batch) with a 90% bootstrap interval, and the collapses."""
+    by = {(r["arm"], r["seed"]): r for r in results}
+    rows = [f"| arm | final greedy acc: mean / median / min..max | minus {base}, same seed: mean [90% "
+            "bootstrap interval] (pairs) | collapsed (final len_mean < 3 or greedy 0) |", "|---|---|---|---|"]
+    for a in arms:
+        rs = [r for r in results if r["arm"] == a]
+        acc = [r["curve"][-1][1] for r in rs]
+        diffs = [r["curve"][-1][1] - by[base, r["seed"]]["curve"][-1][1] for r in rs if (base, r["seed"]) in by]
+        diff = "-"
+        if a != base and len(diffs) > 1:
+            lo, hi = bootstrap_interval(diffs)
+            diff = f"{statistics.mean(diffs):+.3f} [{lo:+.3f}, {hi:+.3f}] ({len(diffs)})"
+        down = [r["seed"] for r in rs if collapsed(r)]
+        rows.append(f"| {a} | {statistics.mean(acc):.3f} / {statistics.median(acc):.3f} / {min(acc):.2f}..{max(acc):.2f} "
+                    f"| {diff} | {len(down)} of {len(rs)}{f' (seeds {down})' if down else ''} |")
+    return "\n".join(rows)
+
+
+def diagnostics(results, arms):
+    """How big Eq. (5)'s part of each step was, from the logged diagnostics: Eq. (5)-only steps,
+    the median share grad_norm_none / grad_norm in steps that also had reward-carrying answers,
+    and (with --log-update-size) the median update size in Eq. (5)-only steps and in the others."""
+    rows = ["| arm | Eq. (5)-only steps | median grad_norm_none / grad_norm, mixed steps | median update "
+            "size, Eq. (5)-only steps | median update size, other steps |", "|---|---|---|---|---|"]
+    for a in arms:
+        steps = [m for r in results if r["arm"] == a for m in r["steps"]]
+        eq5 = [m for m in steps if m.get("eq5_only")]
+        mixed = [m["grad_norm_none"] / m["grad_norm"] for m in steps if not m.get("eq5_only")
+                 and m.get("grad_norm_none") and m["grad_norm"] > 0]
+        size = [[m["update_size"] for m in part if m.get("update_size") is not None and m["answers_updated"]]
+                for part in (eq5, [m for m in steps if not m.get("eq5_only")])]
+        cells = [f"{statistics.median(x):.3g} ({len(x)})" if x else "-" for x in (mixed, *size)]
+        rows.append(f"| {a} | {len(eq5)} of {len(steps)} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
 def per_run(results):
     """Every run on its own line: greedy accuracy at each evaluation, then the final numbers."""
     steps = sorted({s for r in results for s, _ in r["curve"]})
@@ -390,7 +449,7 @@ def report(folder, results, arms, study, base, first):
     for r in results:
         dst = os.path.join(folder, "run_logs", f"{r['arm']}-s{r['seed']}")  # not -vN: the report's names
         os.makedirs(dst, exist_ok=True)
-        for name in ("metrics.jsonl", "final_eval.json", "moved.json", "fingerprint.txt"):
+        for name in ("config.json", "metrics.jsonl", "final_eval.json", "moved.json", "fingerprint.txt"):
             if os.path.isfile(os.path.join(r["out"], name)):
                 shutil.copy(os.path.join(r["out"], name), dst)
     with open(os.path.join(folder, "base_eval.json"), "w") as f:
@@ -398,7 +457,8 @@ def report(folder, results, arms, study, base, first):
     cmd = " ".join(["python compare.py", *sys.argv[1:]])
     with open(os.path.join(folder, "table.md"), "w") as f:
         f.write(f"Written by `{cmd}`; each run's logs are in run_logs/ beside this file.\n\n"
-                f"{table(results, arms, study['reach'], study['gain'])}\n\n{mechanics(results, arms)}\n\n"
+                f"{table(results, arms, study['reach'], study['gain'])}\n\n{paired(results, arms)}\n\n"
+                f"{mechanics(results, arms)}\n\n{diagnostics(results, arms)}\n\n"
                 f"Each run (greedy accuracy on the held-out questions at each evaluated step):\n\n"
                 f"{per_run(results)}\n\n"
                 f"Mean +- std over seeds (population std). The model {first['arm']} seed {first['seed']} started "
@@ -500,7 +560,9 @@ def main():
         base = {k: v for k, v in res.items() if k.startswith(("eval_greedy", "greedy_"))}
         report(args.report, results, arms, study, base, first)
     print(table(results, arms, study["reach"], study["gain"]))
+    print(paired(results, arms))
     print(mechanics(results, arms))
+    print(diagnostics(results, arms))
     print(f"{len(jobs)} runs, {args.jobs} at a time: {(time.time() - t0) / 60:.1f} minutes (runs read back cost none)",
           file=sys.stderr)
     if args.plot:

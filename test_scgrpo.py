@@ -1629,6 +1629,27 @@ def test_compare_study_derives_the_matched_lr_and_counts_routes_from_the_runs(tm
         assert [json.loads(line) for line in f] == logs["scgrpo"]
 
 
+def test_compare_paired_table_and_diagnostics_by_hand():
+    """compare.py's paired differences, bootstrap interval, collapse count and diagnostics table
+    on hand-made runs: three paired seeds, one collapsed (EOS-only answers)."""
+    import compare as C
+    assert C.bootstrap_interval([0.1] * 5) == (0.1, 0.1)
+    assert C.bootstrap_interval([0.0, 1.0]) == (0.0, 1.0)  # resampled means 0, .5, 1: P(0) = P(1) = 1/4
+    step = dict(eq5_only=False, grad_norm_none=0.5, grad_norm=2.0, update_size=1e-4, answers_updated=8)
+    eq5 = dict(eq5_only=True, grad_norm_none=1.0, grad_norm=1.0, update_size=3e-4, answers_updated=7)
+    runs = [dict(arm=a, seed=s, curve=[(0, 0.1), (20, acc)], last_len=n, steps=[step, eq5, step])
+            for a, s, acc, n in [("grpo", 0, 0.40, 12), ("grpo", 1, 0.50, 15), ("grpo", 2, 0.30, 11),
+                                 ("scgrpo", 0, 0.50, 14), ("scgrpo", 1, 0.00, 1.2), ("scgrpo", 2, 0.45, 13)]]
+    rows = C.paired(runs, ["grpo", "scgrpo"]).splitlines()
+    assert rows[2] == "| grpo | 0.400 / 0.400 / 0.30..0.50 | - | 0 of 3 |"
+    # differences +0.10, -0.50, +0.15: mean -0.0833; the interval from the resampled means
+    lo, hi = C.bootstrap_interval([0.10, -0.50, 0.15])
+    assert -0.50 <= lo < -0.0833 < hi <= 0.15
+    assert rows[3] == f"| scgrpo | 0.317 / 0.450 / 0.00..0.50 | -0.083 [{lo:+.3f}, {hi:+.3f}] (3) | 1 of 3 (seeds [1]) |"
+    rows = C.diagnostics(runs, ["scgrpo"]).splitlines()
+    assert rows[2] == "| scgrpo | 3 of 9 | 0.25 (6) | 0.0003 (3) | 0.0001 (6) |"
+
+
 def test_eq5_length_tool_reports_the_correlations_of_its_own_pairs(tmp_path):
     """tools/eq5_length.py on the tiny model: its Pearson and Spearman correlations equal a naive
     computation from the (advantage, length) pairs it saves, with tied ranks averaged (a
