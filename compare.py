@@ -54,10 +54,11 @@ STUDIES = {
     # The paper's regime (docs/paper_regime.md): 8 questions x 8 answers a step as the paper
     # updates on, five paired seeds (seed s gives every arm the same first batch), 12 steps (about
     # 2 minutes a step here: more seeds beat more steps), greedy accuracy every 4, the update size
-    # logged; the third arm skips Eq. (5)-only steps.
+    # logged; the last two arms are the labelled options (skip Eq. (5)-only steps; one window).
     "smollm2-paper": dict(flags=["--model", "SmolLM2-135M", "--task", "addition", "--prompts-per-step", "8",
                                  "--steps", "12", "--eval-every", "4", "--eval-k", "0", "--log-update-size"],
-                          seeds=[0, 1, 2, 3, 4], reach=None, gain=0.10, arms=["grpo", "scgrpo", "scgrpo-skip"]),
+                          seeds=[0, 1, 2, 3, 4], reach=None, gain=0.10,
+                          arms=["grpo", "scgrpo", "scgrpo-skip", "scgrpo-window"]),
 }
 
 # An arm is an algorithm plus the scgrpo.py flags that change it; each algorithm is an arm of its own.
@@ -71,6 +72,8 @@ ARMS = {
     "scgrpo-lr": ("scgrpo", "lr_matched"),
     # not the paper's: a step whose only gradient is Eq. (5)'s applies no update
     "scgrpo-skip": ("scgrpo", ["--eq5-only-step", "skip"]),
+    # not the paper's: Eq. (5) scores every answer of a group over the group's shortest answer
+    "scgrpo-window": ("scgrpo", ["--eq5-window", "group"]),
 }
 
 

@@ -118,6 +118,8 @@ class Config:
     fast: bool = setting(False, "machinery/speed.py in place of 3 plain steps: same math, faster")
     eq5_only_step: str = setting("step", "skip (not the paper's): no update when Eq. (5) is a "
                                  "step's only gradient", ("step", "skip"))
+    eq5_window: str = setting("paper", "group (not the paper's): Eq. (5) scores every answer over "
+                              "the group's shortest one", ("paper", "group"))
     log_update_size: bool = setting(False, "log ||delta theta|| / ||theta|| (holds a weight copy)")
     report_to: str = setting("none", "a tracker too", ("none", "tensorboard", "wandb", "trackio"))
     eval_only: bool = setting(False, "evaluate --model (a hub id, .gguf or folder) and stop")
@@ -353,7 +355,7 @@ class Batch:
         return take_rows(self, torch.arange(len(self.route))[k])
 
 
-def make_batch(ro, routes, adv, rng, usable=None):
+def make_batch(ro, routes, adv, rng, usable=None, window="paper"):
     """One row per answer that gets a gradient: its advantage, unit weights, and on SC-GRPO's
     routes its reference and active length. ro: Rollout; routes: B str; adv, usable (B, G).
     -> Batch (kl still 0: self_condition fills it)"""
@@ -369,9 +371,12 @@ def make_batch(ro, routes, adv, rng, usable=None):
             row.append(b * G + i)
             ref.append(-1 if j is None else b * G + j)
             route.append(r)
-            # active tokens: all of the answer, or its first L_i = min(|o_i|, |o_r|) (note 4)
+            # active tokens: all of the answer, or its first L_i = min(|o_i|, |o_r|) (note 4);
+            # --eq5-window group (not the paper's): the group's shortest answer, o_r included
             n = lengths[b * G + i]
-            n_active.append(min(n, lengths[b * G + j]) if r == "solve_none" else n)
+            if r == "solve_none":
+                n = min(lengths[b * G:(b + 1) * G] if window == "group" else (n, lengths[b*G + j]))
+            n_active.append(n)
     row = torch.tensor(row, dtype=torch.long)                                       # (M,)
     mask = ro.mask[row]                                                             # (M, L)
     return Batch(row, torch.tensor(ref, dtype=torch.long), route, adv.reshape(-1)[row],
@@ -435,8 +440,7 @@ def teacher_kls(model, tok, cfg, ro, batch, encode=encode_prompt):
         ids, mask = pack(ro, batch.row[mb], batch.n_active[mb])                    # (b, L)
         refs, prompt_of = distinct(batch.ref[mb].tolist(), ids.device)
         # Eq. (4): the teacher prompt holds the reference answer tau = o_j
-        prompts = [encode(tok, ro.problems[j // G]["question"], reference=ro.texts[j])
-                   for j in refs]
+        prompts = [encode(tok, ro.problems[j // G]["question"], ro.texts[j]) for j in refs]
         d = teacher_kl(model, cfg, ro, batch.row[mb], prompts, prompt_of, ids, mask)  # (n,)
         kl[mb, :mask.shape[1]] = torch.zeros(mask.shape, device=kl.device).masked_scatter(mask, d)
     return kl
@@ -469,7 +473,7 @@ def diversity_advantages(weights, lengths, r, alpha=0.1, eps=1e-6):
     return adv
 
 
-def solve_none_advantages(ro, batch, weights, alpha):
+def solve_none_advantages(ro, batch, weights, alpha, window="paper"):
     """Step 3: Eq. (5) in every solve-none group of the batch, from the weights f(D) (M, L).
     -> adv (M,): batch.adv with each solve-none answer's entry replaced by alpha * A_div_i"""
     G, adv = ro.correct.shape[1], batch.adv.clone()
@@ -480,7 +484,9 @@ def solve_none_advantages(ro, batch, weights, alpha):
         r = int(batch.ref[members[0]]) % G                    # o_r's index: all members' reference
         f = torch.zeros(G, int(ro.lengths.view(-1)[batch.row[members]].max()))    # (G, L_b)
         f[places] = weights[members, :f.shape[1]].cpu()
-        adv[members] = diversity_advantages(f, ro.lengths[b], r, alpha)[places]
+        n = ro.lengths[b]                                                          # (G,)
+        n = n.clamp_max(int(n.min())) if window == "group" else n  # as make_batch's window
+        adv[members] = diversity_advantages(f, n, r, alpha)[places]
     return adv
 
 
@@ -494,7 +500,7 @@ def self_condition(model, tok, cfg, ro, batch, encode=encode_prompt):
     active = (torch.arange(kl.shape[1]) < batch.n_active[scored, None]).to(kl.device)
     weights, c = sc_weights(kl, active, cfg.c_min, cfg.kl_quantile)                # (R, L)
     batch.weights[scored] = weights
-    batch.adv = solve_none_advantages(ro, batch, batch.weights, cfg.alpha_div)     # (M,)
+    batch.adv = solve_none_advantages(ro, batch, batch.weights, cfg.alpha_div, cfg.eq5_window)
     return kl_metrics(kl, active, weights, c)  # D's quantiles, c, mean f(D); warns on NaN D
 
 # The loss: the clipped GRPO objective, each token weighted by f(D) --------------------------------
@@ -540,12 +546,11 @@ def sample_groups(model, tok, cfg, train_set, batcher, gen, eos_ids):
 def update(model, optimizer, cfg, ro, batch):
     """ppo_epochs AdamW steps on the clipped objective, gradients accumulated over micro-batches.
     -> (dict of loss, clip_frac, grad_norm, grad_norm_none, update_size; stepped)"""
-    device, G = ro.mask.device, cfg.group_size
+    device, G, B = ro.mask.device, cfg.group_size, len(ro.problems)
     lengths = ro.lengths.view(-1)[batch.row]                                       # (M,)
     total_tokens = int(lengths.sum())
     # The objective's normaliser, per token: GRPO 1/G sum_i 1/|o_i|, averaged over the B
     # groups; DAPO one token-level mean over the whole batch.
-    B = len(ro.problems)
     scale = (torch.full((len(lengths),), 1.0 / max(1, total_tokens)) if cfg.algo == "dapo"
              else (1.0 / (B * G * lengths.double())).float())                     # (M,)
     # Solve-none answers first (the gradient norm after them is Eq. (5)'s part), then longest
@@ -600,7 +605,7 @@ def train_step(model, optimizer, tok, cfg, train_set, batcher, rng, gen, eos_ids
     clock.lap("sample")
     adv = group_advantages(ro.reward)                                              # (B, G)
     routes = route_groups(ro.reward, cfg.algo)
-    batch = make_batch(ro, routes, adv, rng)
+    batch = make_batch(ro, routes, adv, rng, window=cfg.eq5_window)
     scored = (batch.ref >= 0).nonzero().squeeze(1).tolist()  # rows with a reference
     sc_stats = self_condition(model, tok, cfg, ro, batch) if scored else {}
     clock.lap("teacher")
@@ -616,9 +621,8 @@ def train_step(model, optimizer, tok, cfg, train_set, batcher, rng, gen, eos_ids
 
 def train(cfg, resume=""):
     """Train, evaluate and save. resume: a checkpoint folder from parse_config, or ""."""
-    # One seed for everything. With one CPU thread (OMP_NUM_THREADS=1) a run repeats bit for
-    # bit; with more, or on a GPU, some reductions split differently from run to run, so runs
-    # agree in every digit for a few hundred steps and then drift apart slowly.
+    # One seed for everything. With one CPU thread (OMP_NUM_THREADS=1) a run repeats bit for bit;
+    # with more, or on a GPU, reductions may split differently, and runs drift apart slowly.
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)  # the tiny model's initial weights come from this stream
     run = Run(cfg, resume)  # loads the data and the model (fp32 weights; resume: the checkpoint's)
@@ -631,16 +635,14 @@ def train(cfg, resume=""):
     start = run.begin(optimizer, rng, gen, batcher)  # 1, or after resume the next step (restored)
     if start == 1:
         run.log_eval(0, *evaluate(model, tok, run.eval_set, cfg, run.eos_ids))
-    credit, bar = [], tqdm(range(start, cfg.steps + 1), desc="train", initial=start - 1,
-                           total=cfg.steps, disable=None)
+    bar = tqdm(range(start, cfg.steps + 1), desc="train", initial=start - 1, total=cfg.steps,
+               disable=None)
     for step in bar:
-        m, new_credit = train_step(model, optimizer, tok, cfg, run.train_set, batcher, rng, gen,
-                                   run.eos_ids)
-        credit = new_credit or credit  # the last answers a teacher scored, for the credit page
-        run.log_step(bar, {"step": step, **m})  # stops the run after --max-bad-steps NaN steps
+        m, credit = train_step(model, optimizer, tok, cfg, run.train_set, batcher, rng, gen,
+                               run.eos_ids)
+        run.log_step(bar, {"step": step, **m}, credit)  # may stop: --max-bad-steps NaN steps
         if step % cfg.eval_every == 0 or step == cfg.steps:
-            run.log_eval(step, *evaluate(model, tok, run.eval_set, cfg, run.eos_ids),
-                         credit if cfg.algo == "scgrpo" else None)
+            run.log_eval(step, *evaluate(model, tok, run.eval_set, cfg, run.eos_ids))
         run.checkpoint(bar, step)  # every --save-every steps, at the end, and after a Ctrl-C
     run.finish(bar)
 
@@ -657,9 +659,8 @@ def avg_and_pass_at_k(correct):
 
 def answer_and_verify(model, tok, problems, cfg, eos_ids, n, temperature, gen):
     """n answers to each problem, graded. -> (len(problems) * n bools, the answers' texts)"""
-    # at most max(eval_batch, a step's answers) rows per sampler call: no more memory than training
-    max_rows = max(cfg.eval_batch, cfg.prompts_per_step * cfg.group_size)
-    q = max(1, min(cfg.eval_batch, max_rows // n))                                 # questions
+    # questions per sampler call: at most max(eval_batch, a step's answers) rows, as in training
+    q = max(1, min(cfg.eval_batch, max(cfg.eval_batch, cfg.prompts_per_step * cfg.group_size) // n))
     texts = []
     for i in tqdm(range(0, len(problems), q), desc="eval", leave=False, disable=None):
         prompts = [encode_prompt(tok, p["question"]) for p in problems[i:i + q]]
@@ -692,8 +693,7 @@ def main(argv=None):
     if not cfg.eval_only:
         return train(cfg, resume)
     torch.manual_seed(cfg.seed)  # the tiny model's initial weights; no optimizer, no training
-    run = Run(cfg)  # the model (a hub id, a .gguf, a folder such as a run's final/) and test set
-    run.save_eval(*evaluate(run.model, run.tok, run.eval_set, cfg, run.eos_ids))
+    Run(cfg).save_eval(evaluate)  # evaluate() on the model and test set Run loads -> eval.json
 
 
 if __name__ == "__main__":

@@ -621,6 +621,28 @@ def test_diversity_advantage_hand_computed():
     want = 0.1 * (s - s.mean()) / (s.std(unbiased=False) + 1e-6)
     torch.testing.assert_close(adv, torch.tensor([want[0], 0.0, want[1], want[2]]))
 
+@pytest.mark.parametrize("window", ["paper", "group"])
+def test_eq5_window_option_by_hand(window):
+    """--eq5-window: the paper's window L_i = min(|o_i|, |o_r|), or (not the paper's) the group's
+    shortest answer for every answer; active lengths and Eq. (5) advantages by hand."""
+    lengths, G = [3, 2, 4, 5], 4
+    mask = torch.tensor([[t < n for t in range(5)] for n in lengths])
+    correct = torch.zeros(1, G)
+    ro = S.Rollout([{"question": "q", "answer": "#### 1"}], [[1]], torch.ones(G, 5, dtype=torch.long), mask,
+                   ["a"] * G, correct, correct.clone())
+    batch = S.make_batch(ro, ["solve_none"], torch.zeros(1, G), random.Random(0), window=window)
+    r = int(batch.ref[0])  # o_r, every member's reference
+    members = [i for i in range(G) if i != r]
+    assert batch.row.tolist() == members
+    want_n = [2] * 3 if window == "group" else [min(lengths[i], lengths[r]) for i in members]
+    assert batch.n_active.tolist() == want_n
+    f = torch.tensor([[0.1, 0.5, 0.3, 0.2, 0.4]] * G)[members] * torch.tensor([[1.0], [2.0], [3.0]])
+    f = torch.where(torch.arange(5) < batch.n_active[:, None], f, torch.zeros_like(f))  # 0 past each window
+    adv = S.solve_none_advantages(ro, batch, f, alpha=0.1, window=window)
+    s = torch.tensor([float(f[k, :n].sum()) / n for k, n in enumerate(want_n)])
+    torch.testing.assert_close(adv, 0.1 * (s - s.mean()) / (s.std(unbiased=False) + 1e-6))
+
+
 # ----------------------------------------------------------------------------- loss
 
 

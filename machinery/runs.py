@@ -137,7 +137,7 @@ class Run:
         when resuming, write config.json and open the logs. -> the first step to run."""
         cfg = self.cfg
         self.optimizer, self.rng, self.gen, self.batcher = optimizer, rng, gen, batcher
-        self.start, self.bad = 1, 0
+        self.start, self.bad, self.credit = 1, 0, []
         if self.ckpt:
             self.resume(self.ckpt)
         with open(os.path.join(cfg.out, "config.json"), "w") as f:
@@ -183,9 +183,11 @@ class Run:
         self.metrics_f.flush()
         self.tracker.log(record, record["step"])  # --report-to: the same numbers, the same step
 
-    def log_step(self, bar, m):
-        """Log a training step (metrics.jsonl, the bar, every --log-every steps a line); count
-        non-finite steps and stop, saved, after --max-bad-steps of them in a row."""
+    def log_step(self, bar, m, credit=None):
+        """Log a training step (metrics.jsonl, the bar, every --log-every steps a line); keep the
+        step's credit examples (if any) for the next evaluation's credit page; count non-finite
+        steps and stop, saved, after --max-bad-steps of them in a row."""
+        self.credit = credit or self.credit
         cfg, step = self.cfg, m["step"]
         m["seconds"] = time.time() - self.step_start  # the whole step, since the last one ended
         self.bad = self.bad + 1 if m["nonfinite"] else 0
@@ -215,8 +217,10 @@ class Run:
                   f"  python {os.path.basename(sys.argv[0])} --resume {cfg.out}")
             sys.exit(130)
 
-    def log_eval(self, step, res, shown, credit=None):
-        """Log an evaluation's metrics, its first answers and (SC-GRPO) the credit page."""
+    def log_eval(self, step, res, shown):
+        """Log an evaluation's metrics, its first answers and (SC-GRPO) the credit page of the
+        last answers a teacher scored."""
+        credit = self.credit if self.cfg.algo == "scgrpo" else None
         cfg, peak = self.cfg, peak_memory_gb(self.device)  # CUDA: the evaluation's peak
         res = {**res, **({} if peak is None else {"mem_eval_gb": peak})}
         self.log({"step": step, **res})
@@ -226,9 +230,11 @@ class Run:
             write_credit_html(os.path.join(cfg.out, f"credit_{step}.html"), step, credit)
         tqdm.write(f"eval step {step} | {eval_line(cfg, res)}")
 
-    def save_eval(self, res, shown):
-        """--eval-only: the evaluation's metrics and first answers -> <out>/eval.json, printed."""
+    def save_eval(self, evaluate):
+        """--eval-only: evaluate(model, tok, test set, cfg, eos ids) -> (metrics, first answers),
+        written to <out>/eval.json and printed."""
         cfg, path = self.cfg, os.path.join(self.cfg.out, "eval.json")
+        res, shown = evaluate(self.model, self.tok, self.eval_set, cfg, self.eos_ids)
         record = dict(model=cfg.model, task=cfg.task, data=cfg.data, eval_n=len(self.eval_set),
                       eval_k=cfg.eval_k, temperature=cfg.temperature, seed=cfg.seed, **res,
                       samples=shown)
