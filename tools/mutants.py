@@ -119,7 +119,7 @@ MUTANTS = [
      ["test_step_diagnostics_split_the_gradient_and_measure_the_update"]),
     ("--eq5-only-step skip drops every step, not only Eq. (5)-only ones", "scgrpo.py",
      'batch[[]] if eq5_only and cfg.eq5_only_step == "skip"', 'batch[[]] if cfg.eq5_only_step == "skip"',
-     ["test_a_step_whose_only_gradient_is_eq5_is_skipped_only_when_asked"]),
+     ["test_a_step_whose_only_gradient_is_eq5_is_skipped_only_when_asked[skip]"]),
     ("--eq5-window group: Eq. (5) divides by the paper's L_i, not the group's window", "scgrpo.py",
      'n = n.clamp_max(int(n.min())) if window == "group" else n',
      'n = n if window == "group" else n', ["test_eq5_window_option_by_hand[group]"]),
