@@ -109,6 +109,12 @@ class Run:
         if ckpt:
             from transformers import AutoModelForCausalLM, AutoTokenizer
             self.model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+            # Fresh copies of the loaded weights: kept in the loader's buffers, some CPU kernels
+            # took other paths than on a fresh model's, and a resumed run drifted in the last bits
+            # (measured: from step 25 of a tiny run resumed at 15, once the update split its
+            # micro-batches at the solve-none answers); in fresh buffers it repeats bit for bit.
+            for p in self.model.parameters():
+                p.data = p.data.clone()
             self.tok = AutoTokenizer.from_pretrained(ckpt)
         else:
             self.model, self.tok = load_model(cfg.model, cfg.seed)
