@@ -146,12 +146,18 @@ def apply(folder, file, old, new):
     return True
 
 
-def pytest(folder, *args, stop_early=True, timeout=900):
-    """Run pytest in folder with one thread -> (passed?, the failing tests' names)."""
+def pytest(folder, *args, stop_early=True, timeout=3600):
+    """Run pytest in folder with one thread -> (passed?, the failing tests' names). The whole
+    suite takes 15-20 minutes on a loaded 2-core machine; past the timeout the run counts as a
+    pass (the mutant is reported as surviving, never as killed)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                        *(["-x"] if stop_early else []), *args], cwd=folder, env=env,
-                       capture_output=True, text=True, timeout=timeout)
+    try:
+        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                            *(["-x"] if stop_early else []), *args], cwd=folder, env=env,
+                           capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        print(f"note: pytest {' '.join(args)[:80]} timed out after {timeout} s", file=sys.stderr)
+        return True, []
     failed = re.findall(r"^(?:FAILED|ERROR) [^:]+::(.+?)(?: - .*)?$", r.stdout, re.M)
     return r.returncode == 0, failed or ([] if r.returncode == 0 else [f"exit {r.returncode}"])
 
