@@ -1039,16 +1039,22 @@ BAD_INPUT = [  # (argv, the words the one error line must hold)
 ]
 
 
+def assert_refused_at_the_door(main, args, needle, folder, monkeypatch, capsys):
+    """main(args) exits 2 with one stderr line holding `needle`, and writes nothing in `folder`
+    (the working directory, where a default run folder would go)."""
+    monkeypatch.chdir(folder)
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and needle in err and len(err.splitlines()) == 1, err
+    assert os.listdir(folder) == []
+
+
 @pytest.mark.parametrize("args,needle", BAD_INPUT, ids=lambda a: " ".join(a) if isinstance(a, list) else "")
 def test_bad_input_exits_2_with_one_line_and_writes_nothing(args, needle, tmp_path, monkeypatch, capsys):
     """Every bad flag costs one stderr line and exit code 2 before a folder or file is written
     (the run folder would go to runs/ under the working directory, here an empty one)."""
-    monkeypatch.chdir(tmp_path)
-    with pytest.raises(SystemExit) as e:
-        S.main(args)
-    err = capsys.readouterr().err.strip()
-    assert e.value.code == 2 and needle in err and len(err.splitlines()) == 1, err
-    assert os.listdir(tmp_path) == []
+    assert_refused_at_the_door(S.main, args, needle, tmp_path, monkeypatch, capsys)
 
 
 @pytest.mark.parametrize("model,needle", [("does-not-exist", "could not load model 'does-not-exist'"),
@@ -2091,12 +2097,7 @@ def test_trl_refuses_each_setting_it_cannot_honour_in_one_line(tmp_path):
 ], ids=lambda a: " ".join(a) if isinstance(a, list) else "")
 def test_trl_bad_input_exits_2_with_one_line_and_writes_nothing(args, needle, tmp_path, monkeypatch, capsys):
     import trl_scgrpo as T
-    monkeypatch.chdir(tmp_path)
-    with pytest.raises(SystemExit) as e:
-        T.main(args)
-    err = capsys.readouterr().err.strip()
-    assert e.value.code == 2 and needle in err and len(err.splitlines()) == 1, err
-    assert os.listdir(tmp_path) == []
+    assert_refused_at_the_door(T.main, args, needle, tmp_path, monkeypatch, capsys)
 
 
 @needs_trl
