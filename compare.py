@@ -541,7 +541,8 @@ def main():
     out = args.out or os.path.join("runs", f"compare-{args.study}")
     arms = args.arms or study.get("arms", ["grpo", "dapo", "scgrpo"])
     seeds = args.seeds or study["seeds"]
-    jobs = [(a, s) for a in arms for s in seeds]
+    # seed by seed, so a study stopped part way leaves whole paired seeds behind
+    jobs = [(a, s) for s in seeds for a in arms]
     flags = study["flags"] + args.extra
     if "scgrpo-lr" in arms and "scgrpo" not in arms:
         die("the scgrpo-lr arm's learning rate is measured from the scgrpo arm's runs; add scgrpo to --arms")
@@ -553,7 +554,7 @@ def main():
         with ThreadPoolExecutor(args.jobs) as pool:
             results += list(pool.map(lambda j: run_one(*j, out, flags + arm_flags[j[0]], args.rerun_stale),
                                      [j for j in jobs if j[0] in arm_flags]))
-    results.sort(key=lambda r: jobs.index((r["arm"], r["seed"])))
+    results.sort(key=lambda r: (arms.index(r["arm"]), seeds.index(r["seed"])))
     if args.report:
         for r in results:
             r["moved"] = weight_change(r["out"], r["fingerprint"])
