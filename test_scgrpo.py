@@ -2058,7 +2058,7 @@ def test_trl_trainer_runs_and_logs_sc_metrics(model_name, tmp_path, request):
         pytest.skip("needs the weights package: " + models.GGUF_INSTALL)
     args = (["--model", "tiny", "--task", "arith", "--steps", "6", "--prompts-per-step", "4", "--report-to",
              "tensorboard"] if model_name == "tiny" else
-            ["--model", request.getfixturevalue("smollm2_folder"), "--task", "addition", "--steps", "2",
+            ["--model", request.getfixturevalue("smollm2_folder"), "--task", "addition", "--steps", "1",
              "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "12"])
     r = subprocess.run([sys.executable, os.path.join(HERE, "trl_scgrpo.py"), *args, "--out", str(tmp_path / "o")],
                        capture_output=True, text=True, timeout=600, cwd=HERE)
