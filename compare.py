@@ -33,6 +33,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# every process a study starts runs on one thread, so --jobs runs share the cores evenly
+ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 # Each study: the scgrpo.py flags every run shares, the seeds, and when a run has "got there":
 # `reach` is an absolute greedy accuracy, `gain` a rise over the run's own step-0 accuracy.
@@ -184,8 +186,7 @@ def run_one(arm, seed, out_root, flags, rerun_stale=False):
             f.write(fingerprint)
         cmd = [sys.executable, os.path.join(HERE, "scgrpo.py"), "--algo", algo, "--seed", str(seed), "--out", out,
                *flags]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-        r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        r = subprocess.run(cmd, capture_output=True, text=True, env=ONE_THREAD)
         if r.returncode != 0:
             sys.exit(f"error: {' '.join(cmd)} failed:\n{r.stderr[-2000:]}")
         with open(os.path.join(out, "fingerprint.txt"), "w") as f:
@@ -248,8 +249,7 @@ def eval_only(flags, out):
     """python scgrpo.py --eval-only FLAGS --out OUT in a subprocess with one thread -> its eval.json."""
     shutil.rmtree(out, ignore_errors=True)
     cmd = [sys.executable, os.path.join(HERE, "scgrpo.py"), "--eval-only", *flags, "--out", out]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=HERE)
+    r = subprocess.run(cmd, capture_output=True, text=True, env=ONE_THREAD, cwd=HERE)
     if r.returncode != 0:
         sys.exit(f"error: {' '.join(cmd)} failed:\n{r.stderr[-2000:]}")
     with open(os.path.join(out, "eval.json")) as f:
@@ -409,8 +409,8 @@ def cached_run(code, path, fingerprint, what):
             saved = json.load(f)
         if saved.pop("fingerprint", None) == fingerprint:
             return saved
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=HERE)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ONE_THREAD,
+                       cwd=HERE)
     if r.returncode != 0:
         sys.exit(f"error: {what} failed:\n{r.stderr[-2000:]}")
     res = json.loads(r.stdout.splitlines()[-1])
