@@ -1395,9 +1395,9 @@ def test_smollm2_runs_each_algorithm_and_saves_a_model_that_reloads(algo, tmp_pa
     assert model.num_parameters() > 100e6 and tok.chat_template and tok.eos_token_id == 2
     if algo == "dapo":  # --eval-only: the base model scores as at step 0, the final one as at the end
         flags = ["--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "12", "--eval-n", "4", "--seed", "1"]
-        for model_flags, i in (([*model_flags, "--task", "addition", *flags], 0),
-                               (["--model", os.path.join(out, "final")], -1)):
-            r = run("--eval-only", *model_flags, "--out", str(tmp_path / f"eval{i}"))
+        for eval_flags, i in (([*model_flags, "--task", "addition", *flags], 0),
+                              (["--model", os.path.join(out, "final")], -1)):
+            r = run("--eval-only", *eval_flags, "--out", str(tmp_path / f"eval{i}"))
             assert r.returncode == 0, r.stderr[-2000:]
             with open(tmp_path / f"eval{i}" / "eval.json") as f:
                 assert json.load(f)["eval_greedy_acc"] == evals[i]["eval_greedy_acc"]
