@@ -179,14 +179,16 @@ def draw(title, series, path, smooth=1):
     import matplotlib.ticker
     fig, (ax_r, ax_a) = plt.subplots(1, 2, figsize=(11, 4.4), dpi=120, sharex=True)
     palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    dashes = ["-", "--", "-.", ":"]  # runs that coincide (same seed, same updates) stay visible
     for line in series:
         colour = palette[line["colour"] % len(palette)]
+        style = dashes[line["colour"] % len(dashes)]
         ax = ax_r if line["kind"] == "reward" else ax_a
         if "raw" in line and smooth > 1:  # the values as logged, faint, under their running mean
             ax.plot(line["steps"], line["raw"], color=colour, alpha=0.2, lw=0.8)
         # markers on the evaluations (few, and each a measurement), none on the per-step reward
         marker = "o" if line["kind"] == "acc" and len(line["steps"]) <= 40 else None
-        ax.plot(line["steps"], line["values"], color=colour, lw=1.6, marker=marker, ms=4,
+        ax.plot(line["steps"], line["values"], color=colour, ls=style, lw=1.6, marker=marker, ms=4,
                 label=line["label"] if line["kind"] == "acc" else None)
         if "low" in line:
             ax.fill_between(line["steps"], line["low"], line["high"], color=colour, alpha=0.15, lw=0)
