@@ -13,7 +13,8 @@ held-out greedy accuracy against step (tools/plot.py, which draws any run's curv
 Each run is scgrpo.py in its own process with one thread, `--jobs` at a time, so the numbers
 repeat for the same seeds on the same machine. Runs land in <out>/<arm>-s<seed>; a finished
 run is read back instead of re-run, but only if scgrpo.py and the flags are unchanged since it
-ran (a fingerprint of both is saved with it). A folder holding anything else is never deleted:
+ran (a fingerprint of both is saved with it); a run the study started and was stopped in (Ctrl-C,
+a killed process) resumes from its last checkpoint. A folder holding anything else is never deleted:
 it is named in one line and the run goes to <arm>-s<seed>-v2 (-v3, ...) beside it, unless
 --rerun-stale asks to replace it. --report copies each run's small files (logs, final
 evaluation) and the tables into a folder, for docs/.
@@ -143,32 +144,37 @@ def read_text(path):
 
 
 def run_folder(arm, seed, out_root, fingerprint, rerun_stale):
-    """-> (the folder for one run, whether it must run). A finished run with this fingerprint is
-    read back. A folder holding anything else (a run of other code or flags, an unfinished run, a
-    user's files) is never deleted unless --rerun-stale asks: it is named in one line and the run
-    goes to the next free <arm>-s<seed>-vN beside it (which a later study of the same code and flags
-    reads back). Only this study's own unfinished attempt at the same run (started.txt holds this
-    fingerprint) is removed and re-run: the same code, flags and seed redo it exactly."""
+    """-> (the folder for one run, what to do there: "read" it back, "run" it, or "resume" it). A
+    finished run with this fingerprint is read back. A folder holding anything else (a run of other
+    code or flags, an unfinished run, a user's files) is never deleted unless --rerun-stale asks: it
+    is named in one line and the run goes to the next free <arm>-s<seed>-vN beside it (which a later
+    study of the same code and flags reads back). This study's own unfinished attempt at the same
+    run (started.txt holds this fingerprint) is resumed from its last checkpoint (one thread: the
+    same numbers as a run never stopped), or removed and re-run when it saved none."""
     base, stale = os.path.join(out_root, f"{arm}-s{seed}"), None
     for n in range(1, 1000):
         out = base if n == 1 else f"{base}-v{n}"
         done, started = read_text(os.path.join(out, "fingerprint.txt")), read_text(os.path.join(out, "started.txt"))
         finished = done is not None and os.path.isfile(os.path.join(out, "final", "config.json"))
         if finished and done == fingerprint:
-            return out, False
-        if os.path.exists(out) and not finished and started == fingerprint:
-            shutil.rmtree(out)  # our own interrupted attempt at this very run
+            return out, "read"
+        if os.path.exists(out) and not finished and started == fingerprint:  # our own interrupted attempt
+            if any(os.path.isfile(os.path.join(out, c, "state.pt")) for c in ("ckpt", "ckpt.old")):
+                print(f"note: {out} holds this study's interrupted run; resuming it from its last checkpoint",
+                      file=sys.stderr)
+                return out, "resume"
+            shutil.rmtree(out)
         if not os.path.exists(out):
             if stale:
                 print(f"note: {base} holds {stale}; kept, and this run goes to {out} (--rerun-stale would "
                       f"replace {base} instead)", file=sys.stderr)
-            return out, True
+            return out, "run"
         what = ("a finished run of other code or flags (its fingerprint differs)" if finished else
                 "no finished run of this code and flags")
         if rerun_stale and n == 1:
             print(f"note: {out} holds {what}; replacing it (--rerun-stale)", file=sys.stderr)
             shutil.rmtree(out)
-            return out, True
+            return out, "run"
         stale = stale or what
     die(f"{base} and the 998 -vN folders beside it are all taken; pass another --out")
 
@@ -178,14 +184,15 @@ def run_one(arm, seed, out_root, flags, rerun_stale=False):
     study's and the arm's scgrpo.py flags."""
     algo = ARMS[arm][0]
     fingerprint = hashlib.sha256(code_bytes() + repr(flags).encode()).hexdigest()
-    out, fresh = run_folder(arm, seed, out_root, fingerprint, rerun_stale)
+    out, how = run_folder(arm, seed, out_root, fingerprint, rerun_stale)
     metrics = os.path.join(out, "metrics.jsonl")
-    if fresh:
+    if how == "run":
         os.makedirs(out)
         with open(os.path.join(out, "started.txt"), "w") as f:
             f.write(fingerprint)
-        cmd = [sys.executable, os.path.join(HERE, "scgrpo.py"), "--algo", algo, "--seed", str(seed), "--out", out,
-               *flags]
+    if how != "read":  # a resumed run keeps the flags its checkpoint saved
+        cmd = [sys.executable, os.path.join(HERE, "scgrpo.py"),
+               *(["--resume", out] if how == "resume" else ["--algo", algo, "--seed", str(seed), "--out", out, *flags])]
         r = subprocess.run(cmd, capture_output=True, text=True, env=ONE_THREAD)
         if r.returncode != 0:
             sys.exit(f"error: {' '.join(cmd)} failed:\n{r.stderr[-2000:]}")

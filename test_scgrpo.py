@@ -1963,19 +1963,52 @@ def test_compare_keeps_a_run_of_other_code_or_flags_and_reruns_only_into_a_new_f
 
 def test_compare_removes_only_its_own_interrupted_attempt_at_the_same_run(tmp_path, capsys):
     """compare.run_folder: a folder holding this study's unfinished attempt (started.txt with this
-    fingerprint) is cleared and reused; a user's folder, or a run with another fingerprint, is kept."""
+    fingerprint) is resumed when it saved a checkpoint, else cleared and reused; a user's folder,
+    or a run with another fingerprint, is kept."""
     import compare
-    ours, theirs = tmp_path / "grpo-s0", tmp_path / "grpo-s1"
-    for folder, stamp in ((ours, "abc"), (theirs, None)):
+    ours, saved, theirs = tmp_path / "grpo-s0", tmp_path / "grpo-s2", tmp_path / "grpo-s1"
+    for folder, stamp in ((ours, "abc"), (saved, "abc"), (theirs, None)):
         folder.mkdir()
         (folder / "notes.txt").write_text("mine")
         if stamp:
             (folder / "started.txt").write_text(stamp)
-    assert compare.run_folder("grpo", 0, str(tmp_path), "abc", False) == (str(ours), True)
+    (saved / "ckpt").mkdir()
+    (saved / "ckpt" / "state.pt").write_text("")
+    assert compare.run_folder("grpo", 0, str(tmp_path), "abc", False) == (str(ours), "run")
     assert not ours.exists()
-    assert compare.run_folder("grpo", 1, str(tmp_path), "abc", False) == (str(theirs) + "-v2", True)
+    assert compare.run_folder("grpo", 2, str(tmp_path), "abc", False) == (str(saved), "resume")
+    assert (saved / "notes.txt").read_text() == "mine"
+    assert compare.run_folder("grpo", 1, str(tmp_path), "abc", False) == (str(theirs) + "-v2", "run")
     assert (theirs / "notes.txt").read_text() == "mine"
-    assert capsys.readouterr().err.count("\n") == 1
+    assert capsys.readouterr().err.count("\n") == 2
+
+
+def test_a_killed_study_resumes_its_run_to_the_numbers_of_one_never_stopped(tmp_path):
+    """A study killed mid-run (SIGKILL, as when the machine goes away) resumes that run from its
+    last checkpoint on the next call: the steps before the checkpoint are kept as logged (their
+    timings too), and the training lines equal those of a study that was never stopped."""
+    def study(out):
+        return [sys.executable, "compare.py", "--study", "tiny", "--arms", "grpo", "--seeds", "0", "--out", str(out),
+                "--", "--steps", "30", "--save-every", "5", "--eval-every", "1000", "--eval-k", "0", "--eval-n", "10",
+                "--fast"]  # the path that resumes the sampler states too
+    ref, cut = tmp_path / "ref", tmp_path / "cut"
+    r = subprocess.run(study(ref), cwd=HERE, env=ONE_THREAD, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    p = subprocess.Popen(study(cut), cwd=HERE, env=ONE_THREAD, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                         start_new_session=True)
+    metrics, deadline = cut / "grpo-s0" / "metrics.jsonl", time.time() + SUBPROCESS_TIMEOUT
+    while time.time() < deadline and p.poll() is None and not (metrics.exists() and metrics.read_text().count("\n") >= 10):
+        time.sleep(0.02)
+    os.killpg(p.pid, signal.SIGKILL)
+    p.wait()
+    before = read_metrics(str(metrics.parent))
+    assert 10 <= len(before) < 30 and not (cut / "grpo-s0" / "fingerprint.txt").exists()  # killed mid-run
+    r = subprocess.run(study(cut), cwd=HERE, env=ONE_THREAD, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "resuming it from its last checkpoint" in r.stderr
+    after = read_metrics(str(metrics.parent))
+    assert [m for m in after if m["step"] <= 5] == [m for m in before if m["step"] <= 5]
+    assert train_lines(str(cut / "grpo-s0")) == train_lines(str(ref / "grpo-s0"))
 
 
 BAD_FLAGS = [
