@@ -58,6 +58,9 @@ STUDIES = {
     # updates on, five paired seeds (seed s gives every arm the same first batch), 12 steps (about
     # 2 minutes a step here: more seeds beat more steps), greedy accuracy every 4, the update size
     # logged; the last two arms are the labelled options (skip Eq. (5)-only steps; one window).
+    # scgrpo.py's SmolLM2 preset keeps 4 questions a step: beside a second one-thread job an
+    # SC-GRPO step took 115-155 s at 8 (docs/paper_regime.md) against a median 31 s at 4 (the
+    # ablation's 60 steps), and the preset is the 8-minute CPU demo; this study sets 8.
     "smollm2-paper": dict(flags=["--model", "SmolLM2-135M", "--task", "addition", "--prompts-per-step", "8",
                                  "--steps", "12", "--eval-every", "4", "--eval-k", "0", "--log-update-size"],
                           seeds=[0, 1, 2, 3, 4], reach=None, gain=0.10,
