@@ -1989,8 +1989,8 @@ def test_a_killed_study_resumes_its_run_to_the_numbers_of_one_never_stopped(tmp_
     timings too), and the training lines equal those of a study that was never stopped."""
     def study(out):
         return [sys.executable, "compare.py", "--study", "tiny", "--arms", "grpo", "--seeds", "0", "--out", str(out),
-                "--", "--steps", "30", "--save-every", "5", "--eval-every", "1000", "--eval-k", "0", "--eval-n", "10",
-                "--fast"]  # the path that resumes the sampler states too
+                "--", "--steps", "30", "--save-every", "5", "--eval-every", "1000", "--eval-k", "2", "--eval-n", "10",
+                "--fast"]  # --fast: the path that resumes the sampler states too; --eval-k: no re-evaluation
     ref, cut = tmp_path / "ref", tmp_path / "cut"
     r = subprocess.run(study(ref), cwd=HERE, env=ONE_THREAD, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT)
     assert r.returncode == 0, r.stderr[-2000:]
