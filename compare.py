@@ -162,7 +162,8 @@ def run_folder(arm, seed, out_root, fingerprint, rerun_stale):
         if finished and done == fingerprint:
             return out, "read"
         if os.path.exists(out) and not finished and started == fingerprint:  # our own interrupted attempt
-            if any(os.path.isfile(os.path.join(out, c, "state.pt")) for c in ("ckpt", "ckpt.old")):
+            from machinery.runs import find_checkpoint  # what --resume reads (torch: only on this path)
+            if find_checkpoint(out):
                 print(f"note: {out} holds this study's interrupted run; resuming it from its last checkpoint",
                       file=sys.stderr)
                 return out, "resume"

@@ -132,8 +132,7 @@ MUTANTS = [
      'sum(m["answers_updated"] for m in steps) // G, **groups}',
      'sum(m["answers_updated"] for m in steps), **groups}', []),
     ("a study's interrupted run re-run from scratch, its checkpoint ignored", "compare.py",
-     'if any(os.path.isfile(os.path.join(out, c, "state.pt")) for c in ("ckpt", "ckpt.old")):',
-     'if any(os.path.isfile(os.path.join(out, c, "state.pt")) for c in ("ckpt.tmp",)):',
+     "            if find_checkpoint(out):", '            if find_checkpoint(os.path.join(out, "final")):',
      ["test_a_killed_study_resumes_its_run_to_the_numbers_of_one_never_stopped"]),
 ]
 
