@@ -17,7 +17,10 @@ ran (a fingerprint of both is saved with it); a run the study started and was st
 a killed process) resumes from its last checkpoint. A folder holding anything else is never deleted:
 it is named in one line and the run goes to <arm>-s<seed>-v2 (-v3, ...) beside it, unless
 --rerun-stale asks to replace it. --report copies each run's small files (logs, final
-evaluation) and the tables into a folder, for docs/.
+evaluation) and the tables into a folder, for docs/; those files read back as the finished run
+(the model is not needed), so a study cut short on one machine goes on elsewhere from its report:
+
+    mkdir -p runs/compare-smollm2-paper && cp -r docs/paper_regime/run_logs/* runs/compare-smollm2-paper/
 """
 import argparse
 import hashlib
@@ -146,6 +149,11 @@ def read_text(path):
         return f.read()
 
 
+# What a report keeps of each run (run_logs/<run>), enough for a later study to read the run back:
+# the resolved Config, the logs, the fingerprint, and the cached evaluations and weight change
+SMALL_FILES = ("config.json", "metrics.jsonl", "fingerprint.txt", "final_eval.json", "moved.json", "base_eval.json")
+
+
 def run_folder(arm, seed, out_root, fingerprint, rerun_stale):
     """-> (the folder for one run, what to do there: "read" it back, "run" it, or "resume" it). A
     finished run with this fingerprint is read back. A folder holding anything else (a run of other
@@ -158,7 +166,9 @@ def run_folder(arm, seed, out_root, fingerprint, rerun_stale):
     for n in range(1, 1000):
         out = base if n == 1 else f"{base}-v{n}"
         done, started = read_text(os.path.join(out, "fingerprint.txt")), read_text(os.path.join(out, "started.txt"))
-        finished = done is not None and os.path.isfile(os.path.join(out, "final", "config.json"))
+        # scgrpo.py returned 0 (fingerprint.txt is written only then) and left its small files: a
+        # report's run_logs/<run> copied here reads back the same (the model itself is not needed)
+        finished = done is not None and all(os.path.isfile(os.path.join(out, n)) for n in SMALL_FILES[:3])
         if finished and done == fingerprint:
             return out, "read"
         if os.path.exists(out) and not finished and started == fingerprint:  # our own interrupted attempt
@@ -213,7 +223,7 @@ def run_one(arm, seed, out_root, flags, rerun_stale=False):
     print(f"{arm:12s} seed {seed}: greedy {evals[0]['eval_greedy_acc']:.3f} -> {evals[-1]['eval_greedy_acc']:.3f}"
           + ("" if os.path.basename(out) == f"{arm}-s{seed}" else f" ({out})"), file=sys.stderr)
     steps = [m for m in lines if "reward_mean" in m]
-    with open(os.path.join(out, "final", "run_config.json")) as f:
+    with open(os.path.join(out, "config.json")) as f:  # the run's resolved Config
         groups = route_counts(steps, json.load(f)["group_size"], algo)
     return dict(arm=arm, seed=seed, out=out, flags=flags, fingerprint=fingerprint,
                 curve=[(m["step"], m["eval_greedy_acc"]) for m in evals],
@@ -464,7 +474,7 @@ def report(folder, results, arms, study, base, first):
     for r in results:
         dst = os.path.join(folder, "run_logs", f"{r['arm']}-s{r['seed']}")  # not -vN: the report's names
         os.makedirs(dst, exist_ok=True)
-        for name in ("config.json", "metrics.jsonl", "final_eval.json", "moved.json", "fingerprint.txt"):
+        for name in SMALL_FILES:
             if os.path.isfile(os.path.join(r["out"], name)):
                 shutil.copy(os.path.join(r["out"], name), dst)
     with open(os.path.join(folder, "base_eval.json"), "w") as f:

@@ -13,6 +13,7 @@ import os
 import random
 import re
 import signal
+import shutil
 import subprocess
 import sys
 import time
@@ -1662,11 +1663,13 @@ def test_compare_rewords_every_held_out_sum_and_keeps_its_answer():
 def test_compare_study_derives_the_matched_lr_and_counts_routes_from_the_runs(tmp_path):
     """A three-arm study on the tiny model: the scgrpo-lr arm runs at the preset lr x
     round(1 / mean weight_mean, 1) of the scgrpo run (recomputed here from its metrics.jsonl), the
-    route shares in the report are the logged group counts, and the report keeps each run's log."""
+    route shares in the report are the logged group counts, and the report keeps each run's log:
+    copied into an empty folder, those logs alone give the same report again, with nothing re-run."""
     out, rep = tmp_path / "runs", tmp_path / "report"
-    r = subprocess.run([sys.executable, os.path.join(HERE, "compare.py"), "--study", "tiny", "--arms", "grpo",
-                        "scgrpo", "scgrpo-lr", "--seeds", "0", "--out", str(out), "--report", str(rep),
-                        "--", "--steps", "6", "--eval-every", "3", "--eval-n", "10"],
+    study = ["--study", "tiny", "--arms", "grpo", "scgrpo", "scgrpo-lr", "--seeds", "0",
+             "--", "--steps", "6", "--eval-every", "3", "--eval-n", "10"]
+    r = subprocess.run([sys.executable, os.path.join(HERE, "compare.py"), *study[:-7], "--out", str(out),
+                        "--report", str(rep), *study[-7:]],
                        capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT, cwd=HERE, env=ONE_THREAD)
     assert r.returncode == 0, r.stderr[-2000:]
     logs = {arm: read_metrics(str(out / f"{arm}-s0")) for arm in ("grpo", "scgrpo", "scgrpo-lr")}
@@ -1685,6 +1688,16 @@ def test_compare_study_derives_the_matched_lr_and_counts_routes_from_the_runs(tm
         assert f"| {arm} | {shares} |" in table
     with open(str(rep / "run_logs" / "scgrpo-s0" / "metrics.jsonl")) as f:
         assert [json.loads(line) for line in f] == logs["scgrpo"]
+    again = tmp_path / "again"  # the report's small files alone: the study reads them back, runs nothing
+    shutil.copytree(str(rep / "run_logs"), str(again))
+    files = {p: p.stat().st_mtime_ns for p in again.rglob("*")}
+    r = subprocess.run([sys.executable, os.path.join(HERE, "compare.py"), *study[:-7], "--out", str(again),
+                        "--report", str(tmp_path / "report2"), *study[-7:]],
+                       capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT, cwd=HERE, env=ONE_THREAD)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert {p: p.stat().st_mtime_ns for p in again.rglob("*")} == files  # no run, no evaluation wrote
+    with open(str(tmp_path / "report2" / "table.md"), encoding="utf-8") as f:
+        assert f.read().split("\n", 1)[1] == table.split("\n", 1)[1]  # all but the command line
 
 
 def test_compare_paired_table_and_diagnostics_by_hand():
