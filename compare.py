@@ -150,7 +150,8 @@ def read_text(path):
 
 
 # What a report keeps of each run (run_logs/<run>), enough for a later study to read the run back:
-# the resolved Config, the logs, the fingerprint, and the cached evaluations and weight change
+# the resolved Config, the logs, the fingerprint (the first three: every finished run has them), and
+# the cached evaluations and weight change
 SMALL_FILES = ("config.json", "metrics.jsonl", "fingerprint.txt", "final_eval.json", "moved.json", "base_eval.json")
 
 
@@ -168,7 +169,7 @@ def run_folder(arm, seed, out_root, fingerprint, rerun_stale):
         done, started = read_text(os.path.join(out, "fingerprint.txt")), read_text(os.path.join(out, "started.txt"))
         # scgrpo.py returned 0 (fingerprint.txt is written only then) and left its small files: a
         # report's run_logs/<run> copied here reads back the same (the model itself is not needed)
-        finished = done is not None and all(os.path.isfile(os.path.join(out, n)) for n in SMALL_FILES[:3])
+        finished = done is not None and all(os.path.isfile(os.path.join(out, f)) for f in SMALL_FILES[:3])
         if finished and done == fingerprint:
             return out, "read"
         if os.path.exists(out) and not finished and started == fingerprint:  # our own interrupted attempt

@@ -135,7 +135,7 @@ MUTANTS = [
      "            if find_checkpoint(out):", '            if find_checkpoint(os.path.join(out, "final")):',
      ["test_a_killed_study_resumes_its_run_to_the_numbers_of_one_never_stopped"]),
     ("a run read back only with its model folder, not from a report's small files", "compare.py",
-     "for n in SMALL_FILES[:3])", 'for n in (*SMALL_FILES[:3], "final/config.json"))',
+     "for f in SMALL_FILES[:3])", 'for f in (*SMALL_FILES[:3], "final/config.json"))',
      ["test_compare_study_derives_the_matched_lr_and_counts_routes_from_the_runs"]),
     ("a report's run_logs without the cached base-model evaluation", "compare.py",
      '"moved.json", "base_eval.json")', '"moved.json")',
