@@ -1665,13 +1665,15 @@ def test_compare_study_derives_the_matched_lr_and_counts_routes_from_the_runs(tm
     round(1 / mean weight_mean, 1) of the scgrpo run (recomputed here from its metrics.jsonl), the
     route shares in the report are the logged group counts, and the report keeps each run's log:
     copied into an empty folder, those logs alone give the same report again, with nothing re-run."""
+    def study(runs, report):  # the same three-arm study, its runs in `runs`, its report in `report`
+        r = subprocess.run([sys.executable, os.path.join(HERE, "compare.py"), "--study", "tiny", "--arms", "grpo",
+                            "scgrpo", "scgrpo-lr", "--seeds", "0", "--out", str(runs), "--report", str(report),
+                            "--", "--steps", "6", "--eval-every", "3", "--eval-n", "10"],
+                           capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT, cwd=HERE, env=ONE_THREAD)
+        assert r.returncode == 0, r.stderr[-2000:]
+
     out, rep = tmp_path / "runs", tmp_path / "report"
-    study = ["--study", "tiny", "--arms", "grpo", "scgrpo", "scgrpo-lr", "--seeds", "0",
-             "--", "--steps", "6", "--eval-every", "3", "--eval-n", "10"]
-    r = subprocess.run([sys.executable, os.path.join(HERE, "compare.py"), *study[:-7], "--out", str(out),
-                        "--report", str(rep), *study[-7:]],
-                       capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT, cwd=HERE, env=ONE_THREAD)
-    assert r.returncode == 0, r.stderr[-2000:]
+    study(out, rep)
     logs = {arm: read_metrics(str(out / f"{arm}-s0")) for arm in ("grpo", "scgrpo", "scgrpo-lr")}
     steps = {arm: [m for m in ms if "reward_mean" in m] for arm, ms in logs.items()}
     w = [m["weight_mean"] for m in steps["scgrpo"]]
@@ -1691,10 +1693,7 @@ def test_compare_study_derives_the_matched_lr_and_counts_routes_from_the_runs(tm
     again = tmp_path / "again"  # the report's small files alone: the study reads them back, runs nothing
     shutil.copytree(str(rep / "run_logs"), str(again))
     files = {p: p.stat().st_mtime_ns for p in again.rglob("*")}
-    r = subprocess.run([sys.executable, os.path.join(HERE, "compare.py"), *study[:-7], "--out", str(again),
-                        "--report", str(tmp_path / "report2"), *study[-7:]],
-                       capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT, cwd=HERE, env=ONE_THREAD)
-    assert r.returncode == 0, r.stderr[-2000:]
+    study(again, tmp_path / "report2")
     assert {p: p.stat().st_mtime_ns for p in again.rglob("*")} == files  # no run, no evaluation wrote
     with open(str(tmp_path / "report2" / "table.md"), encoding="utf-8") as f:
         assert f.read().split("\n", 1)[1] == table.split("\n", 1)[1]  # all but the command line
