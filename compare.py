@@ -24,9 +24,11 @@ evaluation) and the tables into a folder, for docs/; those files read back as th
 """
 import argparse
 import hashlib
+import importlib.metadata
 import importlib.util
 import json
 import os
+import platform
 import random
 import re
 import shutil
@@ -149,10 +151,23 @@ def read_text(path):
         return f.read()
 
 
+def machine():
+    """One line naming the CPU and torch a run ran on. The same run re-done on another CPU of the
+    same kind can take another path from its second step (bf16 sums differ in the last bits,
+    then the sampled answers), so a study kept across machines says which run ran where."""
+    info = dict(line.split(":", 1) for line in (read_text("/proc/cpuinfo") or "").split("\n\n")[0].splitlines()
+                if ":" in line)
+    info = {k.strip(): v.strip() for k, v in info.items()}
+    bf16 = [f for f in ("avx512_bf16", "amx_bf16") if f in info.get("flags", "").split()]  # the bf16 kernels
+    return (f"{info.get('model name', platform.processor() or platform.machine())} ({' '.join(bf16) or 'no bf16 flags'}), "
+            f"{os.cpu_count()} cores, torch {importlib.metadata.version('torch')}\n")
+
+
 # What a report keeps of each run (run_logs/<run>), enough for a later study to read the run back:
-# the resolved Config, the logs, the fingerprint (the first three: every finished run has them), and
-# the cached evaluations and weight change
-SMALL_FILES = ("config.json", "metrics.jsonl", "fingerprint.txt", "final_eval.json", "moved.json", "base_eval.json")
+# the resolved Config, the logs, the fingerprint (the first three: every finished run has them), the
+# cached evaluations and weight change, and where it ran (a line per scgrpo.py process)
+SMALL_FILES = ("config.json", "metrics.jsonl", "fingerprint.txt", "final_eval.json", "moved.json", "base_eval.json",
+               "machine.txt")
 
 
 def run_folder(arm, seed, out_root, fingerprint, rerun_stale):
@@ -208,6 +223,8 @@ def run_one(arm, seed, out_root, flags, rerun_stale=False):
     if how != "read":  # a resumed run keeps the flags its checkpoint saved
         cmd = [sys.executable, os.path.join(HERE, "scgrpo.py"),
                *(["--resume", out] if how == "resume" else ["--algo", algo, "--seed", str(seed), "--out", out, *flags])]
+        with open(os.path.join(out, "machine.txt"), "a") as f:  # a resumed run adds a line
+            f.write(machine())
         r = subprocess.run(cmd, capture_output=True, text=True, env=ONE_THREAD)
         if r.returncode != 0:
             sys.exit(f"error: {' '.join(cmd)} failed:\n{r.stderr[-2000:]}")

@@ -1690,6 +1690,9 @@ def test_compare_study_derives_the_matched_lr_and_counts_routes_from_the_runs(tm
         assert f"| {arm} | {shares} |" in table
     with open(str(rep / "run_logs" / "scgrpo-s0" / "metrics.jsonl")) as f:
         assert [json.loads(line) for line in f] == logs["scgrpo"]
+    # where each run ran: one line for its one scgrpo.py process, kept in the report
+    ran_on = (rep / "run_logs" / "scgrpo-s0" / "machine.txt").read_text().splitlines()
+    assert len(ran_on) == 1 and ran_on[0].endswith(f", {os.cpu_count()} cores, torch {torch.__version__}")
     again = tmp_path / "again"  # the report's small files alone: the study reads them back, runs nothing
     shutil.copytree(str(rep / "run_logs"), str(again))
     files = {p: p.stat().st_mtime_ns for p in again.rglob("*")}

@@ -138,7 +138,10 @@ MUTANTS = [
      "for f in SMALL_FILES[:3])", 'for f in (*SMALL_FILES[:3], "final/config.json"))',
      ["test_compare_study_derives_the_matched_lr_and_counts_routes_from_the_runs"]),
     ("a report's run_logs without the cached base-model evaluation", "compare.py",
-     '"moved.json", "base_eval.json")', '"moved.json")',
+     '"moved.json", "base_eval.json",', '"moved.json",',
+     ["test_compare_study_derives_the_matched_lr_and_counts_routes_from_the_runs"]),
+    ("a report's run_logs without the line saying where each run ran", "compare.py",
+     '               "machine.txt")', "               )",
      ["test_compare_study_derives_the_matched_lr_and_counts_routes_from_the_runs"]),
 ]
 
