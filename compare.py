@@ -153,14 +153,14 @@ def read_text(path):
 
 def machine():
     """One line naming the CPU and torch a run ran on. The same run re-done on another CPU of the
-    same kind can take another path from its second step (bf16 sums differ in the last bits,
+    same kind can take another path from its second step (its sums differ in the last digits,
     then the sampled answers), so a study kept across machines says which run ran where."""
-    info = dict(line.split(":", 1) for line in (read_text("/proc/cpuinfo") or "").split("\n\n")[0].splitlines()
-                if ":" in line)
-    info = {k.strip(): v.strip() for k, v in info.items()}
+    first_cpu = (read_text("/proc/cpuinfo") or "").split("\n\n")[0]  # Linux; elsewhere: empty
+    info = {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in first_cpu.splitlines() if ":" in line)}
     bf16 = [f for f in ("avx512_bf16", "amx_bf16") if f in info.get("flags", "").split()]  # the bf16 kernels
-    return (f"{info.get('model name', platform.processor() or platform.machine())} ({' '.join(bf16) or 'no bf16 flags'}), "
-            f"{os.cpu_count()} cores, torch {importlib.metadata.version('torch')}\n")
+    name = info.get("model name", platform.processor() or platform.machine())
+    return (f"{name} ({' '.join(bf16) or 'no bf16 flags'}), {os.cpu_count()} cores, "
+            f"torch {importlib.metadata.version('torch')}\n")
 
 
 # What a report keeps of each run (run_logs/<run>), enough for a later study to read the run back:
