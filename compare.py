@@ -27,6 +27,7 @@ import hashlib
 import importlib.metadata
 import importlib.util
 import json
+import math
 import os
 import platform
 import random
@@ -70,6 +71,14 @@ STUDIES = {
                                  "--steps", "12", "--eval-every", "4", "--eval-k", "0", "--log-update-size"],
                           seeds=[0, 1, 2, 3, 4], reach=None, gain=0.10,
                           arms=["grpo", "scgrpo", "scgrpo-skip", "scgrpo-window"]),
+    # The confirmatory study, fixed in advance by docs/confirm/PLAN.md: the exploratory study's config
+    # with fp32 named, 12 new seeds, three arms (the paper's SC-GRPO; its token weights without Eq. (5);
+    # GRPO), and each final model also evaluated greedily on 1,000 further held-out sums (`confirm`).
+    "smollm2-confirm": dict(flags=["--model", "SmolLM2-135M", "--task", "addition", "--prompts-per-step", "8",
+                                   "--steps", "12", "--eval-every", "4", "--eval-k", "0", "--log-update-size",
+                                   "--dtype", "fp32"],
+                            seeds=list(range(100, 112)), reach=None, gain=0.10, confirm=True,
+                            arms=["grpo", "scgrpo", "scgrpo-nodiv"]),
 }
 
 # An arm is an algorithm plus the scgrpo.py flags that change it; each algorithm is an arm of its own.
@@ -163,11 +172,21 @@ def machine():
             f"torch {importlib.metadata.version('torch')}\n")
 
 
+def started_line():
+    """When and from which commit a scgrpo.py process of a study started, then where (machine()):
+    a pre-registered study shows that every run started after its plan was committed."""
+    git = subprocess.run(["git", "-C", HERE, "rev-parse", "HEAD"], capture_output=True, text=True)
+    dirty = subprocess.run(["git", "-C", HERE, "status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True).stdout.strip()
+    commit = (git.stdout.strip() or "unknown") + (" (with uncommitted changes)" if dirty else "")
+    return f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} commit {commit}: {machine()}"
+
+
 # What a report keeps of each run (run_logs/<run>), enough for a later study to read the run back:
 # the resolved Config, the logs, the fingerprint (the first three: every finished run has them), the
 # cached evaluations and weight change, and where it ran (a line per scgrpo.py process)
 SMALL_FILES = ("config.json", "metrics.jsonl", "fingerprint.txt", "final_eval.json", "moved.json", "base_eval.json",
-               "machine.txt")
+               "machine.txt", "questions.jsonl", "final_eval_questions.jsonl", "base_eval_questions.jsonl")
 
 
 def run_folder(arm, seed, out_root, fingerprint, rerun_stale):
@@ -209,12 +228,20 @@ def run_folder(arm, seed, out_root, fingerprint, rerun_stale):
     die(f"{base} and the 998 -vN folders beside it are all taken; pass another --out")
 
 
-def run_one(arm, seed, out_root, flags, rerun_stale=False):
+def run_one(arm, seed, out_root, flags, rerun_stale=False, confirm=False, from_logs=False):
     """One run of scgrpo.py (or its saved results) -> a dict of what the tables need. flags: the
-    study's and the arm's scgrpo.py flags."""
+    study's and the arm's scgrpo.py flags; confirm: the final model is also evaluated on the
+    confirmatory set; from_logs: out_root holds a report's run_logs, read as they are, whatever
+    code made them (--from-logs), and nothing runs."""
     algo = ARMS[arm][0]
     fingerprint = hashlib.sha256(code_bytes() + repr(flags).encode()).hexdigest()
-    out, how = run_folder(arm, seed, out_root, fingerprint, rerun_stale)
+    if from_logs:
+        out, how = os.path.join(out_root, f"{arm}-s{seed}"), "read"
+        fingerprint = read_text(os.path.join(out, "fingerprint.txt"))
+        if fingerprint is None:
+            die(f"--from-logs: {out} holds no finished run (no fingerprint.txt)")
+    else:
+        out, how = run_folder(arm, seed, out_root, fingerprint, rerun_stale)
     metrics = os.path.join(out, "metrics.jsonl")
     if how == "run":
         os.makedirs(out)
@@ -224,7 +251,7 @@ def run_one(arm, seed, out_root, flags, rerun_stale=False):
         cmd = [sys.executable, os.path.join(HERE, "scgrpo.py"),
                *(["--resume", out] if how == "resume" else ["--algo", algo, "--seed", str(seed), "--out", out, *flags])]
         with open(os.path.join(out, "machine.txt"), "a") as f:  # a resumed run adds a line
-            f.write(machine())
+            f.write(started_line())
         r = subprocess.run(cmd, capture_output=True, text=True, env=ONE_THREAD)
         if r.returncode != 0:
             sys.exit(f"error: {' '.join(cmd)} failed:\n{r.stderr[-2000:]}")
@@ -233,9 +260,12 @@ def run_one(arm, seed, out_root, flags, rerun_stale=False):
     with open(metrics) as f:
         lines = [json.loads(line) for line in f]
     evals = [m for m in lines if "eval_greedy_acc" in m]
-    wanted = ["eval_avg_at_k"] + [f"greedy_{w}" for w in WORDINGS if last_flag(flags, "--task") == "addition"]
+    addition = last_flag(flags, "--task") == "addition"
+    wanted = ["eval_avg_at_k"] + [f"greedy_{w}" for w in WORDINGS if addition] + ["greedy_confirm"] * confirm
     if any(k not in evals[-1] for k in wanted):  # evaluated once more, on the final model
-        extra = final_eval(out, fingerprint)
+        if from_logs and not os.path.isfile(os.path.join(out, "final_eval.json")):
+            die(f"--from-logs: {out} lacks final_eval.json, which its final evaluation writes")
+        extra = final_eval(out, fingerprint, confirm=confirm)
         evals[-1].update({k: v for k, v in extra.items() if k not in evals[-1]})
     kl_p75 = [m["kl_p75"] for m in lines if "kl_p75" in m]
     print(f"{arm:12s} seed {seed}: greedy {evals[0]['eval_greedy_acc']:.3f} -> {evals[-1]['eval_greedy_acc']:.3f}"
@@ -243,7 +273,9 @@ def run_one(arm, seed, out_root, flags, rerun_stale=False):
     steps = [m for m in lines if "reward_mean" in m]
     with open(os.path.join(out, "config.json")) as f:  # the run's resolved Config
         groups = route_counts(steps, json.load(f)["group_size"], algo)
+    confirm_set = read_questions(os.path.join(out, "final_eval_questions.jsonl")).get("confirm")
     return dict(arm=arm, seed=seed, out=out, flags=flags, fingerprint=fingerprint,
+                confirm=evals[-1].get("greedy_confirm"), confirm_correct=confirm_set and confirm_set["correct"],
                 curve=[(m["step"], m["eval_greedy_acc"]) for m in evals],
                 avg=evals[-1]["eval_avg_at_k"], passk=evals[-1]["eval_pass_at_k"],
                 wordings={w: evals[-1][f"greedy_{w}"] for w in WORDINGS if f"greedy_{w}" in evals[-1]},
@@ -257,10 +289,11 @@ def run_one(arm, seed, out_root, flags, rerun_stale=False):
                 seconds=sum(m["seconds"] for m in lines if "seconds" in m))
 
 
-def final_eval(out, fingerprint, k=8):
-    """The final model's Avg@k, Pass@k and (addition) greedy accuracy on each of WORDINGS, by
-    scgrpo.py --eval-only on out/final (cached in final_eval.json beside its fingerprint)."""
-    return evaluations(out, "final_eval", fingerprint, ["--model", os.path.join(out, "final")], k)
+def final_eval(out, fingerprint, k=8, confirm=False):
+    """The final model's Avg@k, Pass@k and (addition) greedy accuracy on each of WORDINGS and, with
+    confirm, on the confirmatory set, with its weight change (moved.json), in one process that loads
+    the model once (cached in final_eval.json beside its fingerprint)."""
+    return evaluations(out, "final_eval", fingerprint, ["--model", os.path.join(out, "final")], k, confirm)
 
 
 # Second wordings of the addition task's held-out sums, never seen in training: does what a run
@@ -284,41 +317,71 @@ def reworded(rows, template):
     return out
 
 
-def eval_only(flags, out):
-    """python scgrpo.py --eval-only FLAGS --out OUT in a subprocess with one thread -> its eval.json."""
-    shutil.rmtree(out, ignore_errors=True)
-    cmd = [sys.executable, os.path.join(HERE, "scgrpo.py"), "--eval-only", *flags, "--out", out]
-    r = subprocess.run(cmd, capture_output=True, text=True, env=ONE_THREAD, cwd=HERE)
-    if r.returncode != 0:
-        sys.exit(f"error: {' '.join(cmd)} failed:\n{r.stderr[-2000:]}")
-    with open(os.path.join(out, "eval.json")) as f:
-        return json.load(f)
+def read_questions(path):
+    """A run's per-question results (runs.write_questions) -> {set or step: its line}; {} if none."""
+    lines = [json.loads(line) for line in (read_text(path) or "").splitlines()]
+    return {line.get("set", line.get("step")): line for line in lines}
 
 
-def evaluations(folder, name, fingerprint, flags, k):
-    """A model's held-out evaluation with eval_k = k, and on the addition task its greedy
-    accuracy on each of WORDINGS (the same questions, reworded, as a --data folder), each one
-    scgrpo.py --eval-only with `flags`; kept in folder/name.json with the fingerprint."""
-    path, work = os.path.join(folder, name + ".json"), os.path.join(folder, name)
+def evaluations(folder, name, fingerprint, flags, k, confirm=False):
+    """A model's held-out evaluation with eval_k = k and, on the addition task, its greedy accuracy on
+    each of WORDINGS (the same questions, reworded) and, with confirm, on the confirmatory set
+    (tasks.make_addition_confirm): all in one scgrpo.py process with one thread (evaluate_model),
+    which loads the model once. Kept in folder/name.json with the fingerprint, and per question in
+    folder/name_questions.jsonl (a line per set)."""
+    path = os.path.join(folder, name + ".json")
     saved = json.loads(read_text(path) or "{}")
-    if saved.pop("fingerprint", None) == fingerprint:
+    if saved.pop("fingerprint", None) == fingerprint and ("greedy_confirm" in saved or not confirm):
         return saved
-    held_out = eval_only([*flags, "--eval-k", str(k)], os.path.join(work, "held-out"))
-    res = {key: held_out[key] for key in ("eval_greedy_acc", "eval_avg_at_k", "eval_pass_at_k")
-           if key in held_out}
-    for w in (WORDINGS if held_out["task"] == "addition" else ()):
-        data = os.path.join(work, f"{w}-data")
-        os.makedirs(data, exist_ok=True)
-        from machinery.tasks import make_addition  # the held-out sums, then asked another way
-        for split, rows in zip(("train", "test"), make_addition()):
-            with open(os.path.join(data, f"{split}.jsonl"), "w") as f:
-                f.writelines(json.dumps(r) + "\n" for r in reworded(rows, WORDINGS[w]))
-        res[f"greedy_{w}"] = eval_only([*flags, "--eval-k", "0", "--data", data],
-                                       os.path.join(work, w))["eval_greedy_acc"]
+    code = f"import compare; compare.evaluate_model({folder!r}, {name!r}, {flags!r}, {k}, {confirm})"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ONE_THREAD, cwd=HERE)
+    if r.returncode != 0:
+        sys.exit(f"error: evaluating {flags} failed:\n{r.stderr[-2000:]}")
+    res = json.loads(r.stdout.splitlines()[-1])
+    if "moved" in res:  # the weight change, measured in the same process (weight_change reads it)
+        with open(os.path.join(folder, "moved.json"), "w") as f:
+            json.dump({"moved": res.pop("moved"), "fingerprint": fingerprint}, f)
     with open(path, "w") as f:
         json.dump({**res, "fingerprint": fingerprint}, f)
-    shutil.rmtree(work)
     return res
+
+
+def evaluate_model(folder, name, flags, k, confirm):
+    """Run inside the process that evaluations() starts: load the model of `flags` once (as
+    scgrpo.py --eval-only does), evaluate it on each set with scgrpo.evaluate, append each set's
+    per-question line to folder/name_questions.jsonl, and print the numbers as one JSON line,
+    with the seconds each set took and, for a run's final model, its weight change."""
+    import dataclasses
+    import scgrpo as S
+    from machinery import cli, models, runs, tasks
+    work, questions = os.path.join(folder, name), os.path.join(folder, name + "_questions.jsonl")
+    shutil.rmtree(work, ignore_errors=True)
+    if os.path.exists(questions):
+        os.remove(questions)
+    cfg, _ = cli.parse_config(S.Config, S.PRESETS, ["--eval-only", *flags, "--eval-k", str(k), "--out", work])
+    run = runs.Run(cfg)
+    sets = [("held-out", run.eval_set, k)]
+    if cfg.task == "addition":
+        sets += [(w, reworded(run.eval_set, WORDINGS[w]), 0) for w in WORDINGS]
+        sets += [("confirm", tasks.make_addition_confirm(), 0)] * confirm
+    res = {}
+    for set_name, rows, set_k in sets:
+        t0 = time.time()
+        got, per_question = S.evaluate(run.model, run.tok, rows, dataclasses.replace(cfg, eval_k=set_k), run.eos_ids)
+        runs.write_questions(questions, {"set": set_name}, per_question)
+        if set_name == "held-out":
+            res.update(got)
+        else:
+            res[f"greedy_{set_name}"] = got["eval_greedy_acc"]
+        res[f"seconds_{set_name}"] = time.time() - t0
+    saved = json.loads(read_text(os.path.join(cfg.model, "run_config.json")) or "{}")
+    if saved.get("algo"):  # a run's final model: how far it moved from the model it started from
+        start = models.load_model(saved["model"], saved["seed"])[0].state_dict()
+        end = run.model.state_dict()
+        moved = sum(float((end[k].float() - start[k].float()).pow(2).sum()) for k in start if k in end)
+        res["moved"] = (moved / sum(float(start[k].float().pow(2).sum()) for k in start if k in end)) ** 0.5
+    shutil.rmtree(work)
+    print(json.dumps(res))
 
 
 def steps_to(curve, reach, gain):
@@ -335,10 +398,11 @@ def table(results, arms, reach, gain):
     """Outcome per arm, mean +- std over seeds: accuracy at the end, how soon it rose, and the
     greedy accuracy on the unseen wordings (when the task has them)."""
     target = f"{reach:.0%} greedy" if reach is not None else f"+{gain * 100:.0f} points"
-    words = wordings_in(results)
+    words, confirm = wordings_in(results), any(r.get("confirm") is not None for r in results)
     rows = [f"| arm | final greedy acc | Avg@8 | Pass@8 | steps to {target} (runs that got there) | "
-            + "".join(f"greedy on {WORDING_LABELS[w]} | " for w in words) + "train s/run |",
-            "|---|---|---|---|---|" + "---|" * len(words) + "---|"]
+            + "".join(f"greedy on {WORDING_LABELS[w]} | " for w in words) + "greedy on the 1,000 | " * confirm
+            + "s/run in steps (evaluations and checkpoints between steps included) |",
+            "|---|---|---|---|---|" + "---|" * (len(words) + confirm) + "---|"]
     for a in arms:
         rs = [r for r in results if r["arm"] == a]
         hit = [s for s in (steps_to(r["curve"], reach, gain) for r in rs) if s is not None]
@@ -347,6 +411,7 @@ def table(results, arms, reach, gain):
                     f"{mean_std([r['passk'] for r in rs])} | {steps} | "
                     + "".join(f"{mean_std([r['wordings'][w] for r in rs if w in r['wordings']])} | "
                               for w in words)
+                    + (f"{mean_std([r['confirm'] for r in rs if r.get('confirm') is not None])} | " if confirm else "")
                     + f"{statistics.mean(r['seconds'] for r in rs):.0f} |")
     return "\n".join(rows)
 
@@ -422,6 +487,156 @@ def diagnostics(results, arms):
     return "\n".join(rows)
 
 
+# The confirmatory study's analysis, as docs/confirm/PLAN.md fixes it before any of its runs ------------------
+
+def sign_flip_p(diffs):
+    """Exact two-sided sign-flip test that paired differences are centred on 0: the share of all 2^n
+    sign patterns whose |sum| is at least the observed |sum| (under the null each sign is a coin flip)."""
+    observed, n = abs(sum(diffs)), len(diffs)
+    hits = sum(abs(sum(d if pattern >> i & 1 else -d for i, d in enumerate(diffs))) >= observed - 1e-12
+               for pattern in range(2 ** n))
+    return hits / 2 ** n
+
+
+def incomplete_beta(a, b, x):
+    """The regularised incomplete beta function I_x(a, b), from its continued fraction evaluated by
+    the modified Lentz method (used where it converges fast; the symmetry I_x(a, b) = 1 - I_1-x(b, a)
+    elsewhere)."""
+    if x <= 0 or x >= 1:
+        return 0.0 if x <= 0 else 1.0
+    if x > (a + 1) / (a + b + 2):
+        return 1.0 - incomplete_beta(b, a, 1 - x)
+    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log(1 - x)) / a
+    tiny, f, c, d = 1e-300, 1.0, 1.0, 0.0
+    for i in range(400):
+        m = i // 2
+        if i == 0:
+            num = 1.0
+        elif i % 2:
+            num = -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))
+        else:
+            num = m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m))
+        d = 1.0 + num * d
+        d = 1.0 / (d if abs(d) > tiny else tiny)
+        c = 1.0 + num / c
+        c = c if abs(c) > tiny else tiny
+        f *= c * d
+        if abs(1.0 - c * d) < 1e-15:
+            break
+    return front * (f - 1.0)
+
+
+def t_quantile(p, df):
+    """The p-quantile of Student's t with df degrees of freedom, by bisection on its CDF,
+    P(T <= t) = 1 - I_{df / (df + t^2)}(df / 2, 1 / 2) / 2 for t >= 0."""
+    if p < 0.5:
+        return -t_quantile(1 - p, df)
+    lo, hi = 0.0, 1e3
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        if 1 - incomplete_beta(df / 2, 0.5, df / (df + mid * mid)) / 2 < p:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def t_interval(diffs, level=0.95):
+    """The paired-t interval for the mean of paired differences (the sample std, n - 1 df)."""
+    n, mean = len(diffs), statistics.mean(diffs)
+    half = t_quantile((1 + level) / 2, n - 1) * statistics.stdev(diffs) / math.sqrt(n)
+    return mean - half, mean + half
+
+
+def holm(pvalues):
+    """Holm's step-down adjustment of a family of p-values {name: p} -> {name: adjusted p}."""
+    order, out, running = sorted(pvalues, key=pvalues.get), {}, 0.0
+    for i, name in enumerate(order):
+        running = max(running, min(1.0, (len(order) - i) * pvalues[name]))
+        out[name] = running
+    return out
+
+
+def mcnemar_p(b, c):
+    """Exact two-sided McNemar test: b and c discordant pairs, each one's side a fair coin under the null."""
+    n = b + c
+    return min(1.0, 2 * sum(math.comb(n, i) for i in range(min(b, c) + 1)) / 2 ** n) if n else 1.0
+
+
+# the contrasts the plan fixes: the primary one, then the two secondary ones (Holm-corrected together)
+PRIMARY, SECONDARY = ("scgrpo", "grpo"), [("scgrpo-nodiv", "grpo"), ("scgrpo", "scgrpo-nodiv")]
+
+
+def confirmatory(results, endpoint="confirm", alpha=0.05):
+    """The pre-registered analysis (docs/confirm/PLAN.md) of a study's results, in Markdown: the primary
+    test, the secondary tests with Holm's correction, the secondary endpoints (descriptive), the per-question
+    pooled tests, and the per-seed table. endpoint: 'confirm' (greedy accuracy on the 1,000 confirmatory
+    sums) or 'held-out' (final greedy accuracy on the 100, for the exploratory study's runs)."""
+    def value(r, key):
+        return {"confirm": r["confirm"], "held-out": r["curve"][-1][1], "Avg@8": r["avg"], "Pass@8": r["passk"],
+                **{f"greedy on {WORDING_LABELS[w]}": r["wordings"].get(w) for w in WORDINGS}}[key]
+    by = {(r["arm"], r["seed"]): r for r in results}
+    present = [c for c in [PRIMARY, *SECONDARY] if all(any(r["arm"] == a for r in results) for a in c)]
+
+    def contrast(a, b, key):
+        seeds = sorted(s for (arm, s) in by if arm == a and (b, s) in by
+                       and value(by[a, s], key) is not None and value(by[b, s], key) is not None)
+        return seeds, [value(by[a, s], key) - value(by[b, s], key) for s in seeds]
+
+    def line(a, b, key, adjusted=None):
+        seeds, d = contrast(a, b, key)
+        if len(d) < 2:
+            return f"| {a} - {b} | {key} | {len(d)} pairs: too few |"
+        lo, hi = t_interval(d)
+        p = sign_flip_p(d)
+        cells = f"| {a} - {b} | {key} | {statistics.mean(d):+.4f} | {sum(x > 0 for x in d)} / {sum(x < 0 for x in d)} " \
+                f"of {len(d)} | [{lo:+.4f}, {hi:+.4f}] | {p:.4g} |"
+        return cells + (f" {adjusted:.4g} |" if adjusted is not None else "")
+
+    out = ["| contrast | endpoint | mean difference | ahead / behind | paired-t 95% interval | exact sign-flip p |"
+           " Holm-adjusted p |", "|---|---|---|---|---|---|---|"]
+    verdict = ""
+    if PRIMARY in present:
+        seeds, d = contrast(*PRIMARY, endpoint)
+        out.append(line(*PRIMARY, endpoint) + " (primary: none) |")
+        if len(d) >= 2:
+            p, (lo, hi), mean = sign_flip_p(d), t_interval(d), statistics.mean(d)
+            if p < alpha:
+                verdict = (f"**{'Win' if mean > 0 else 'Loss'}**: SC-GRPO's {endpoint} accuracy is "
+                           f"{'above' if mean > 0 else 'below'} GRPO's by {mean:+.4f} over {len(d)} paired seeds "
+                           f"(exact sign-flip p = {p:.4g} < {alpha}; paired-t 95% interval [{lo:+.4f}, {hi:+.4f}]).")
+            else:
+                verdict = (f"**Null**: no difference between SC-GRPO and GRPO at alpha = {alpha} (mean {mean:+.4f} over "
+                           f"{len(d)} paired seeds, exact sign-flip p = {p:.4g}); the paired-t 95% interval "
+                           f"[{lo:+.4f}, {hi:+.4f}] bounds the effect.")
+    secondary = [c for c in SECONDARY if c in present and len(contrast(*c, endpoint)[1]) >= 2]
+    adjusted = holm({c: sign_flip_p(contrast(*c, endpoint)[1]) for c in secondary})
+    out += [line(*c, endpoint, adjusted[c]) for c in secondary]
+    described = ["held-out", "Avg@8", "Pass@8"] + [f"greedy on {WORDING_LABELS[w]}" for w in wordings_in(results)]
+    out += [line(*c, key) + " (descriptive) |" for key in described if key != endpoint for c in present]
+    pooled = ["| contrast | (seed, question) pairs | first right, second wrong | first wrong, second right | "
+              "exact McNemar p |", "|---|---|---|---|---|"]
+    for a, b in present:
+        pairs = [(x, y) for (arm, s), r in sorted(by.items()) if arm == a and (b, s) in by
+                 and r.get("confirm_correct") and by[b, s].get("confirm_correct")
+                 for x, y in zip(r["confirm_correct"], by[b, s]["confirm_correct"])]
+        if pairs:
+            n10, n01 = sum(x > y for x, y in pairs), sum(x < y for x, y in pairs)
+            pooled.append(f"| {a} - {b} | {len(pairs)} | {n10} | {n01} | {mcnemar_p(n10, n01):.4g} |")
+    arms = [a for a in ("grpo", "scgrpo", "scgrpo-nodiv") if any(r["arm"] == a for r in results)]
+    seeds = sorted({s for (_, s) in by})
+    per_seed = ["| seed | " + " | ".join(arms) + " | " + " | ".join(f"{a} - {b}" for a, b in present) + " |",
+                "|---|" + "---|" * (len(arms) + len(present))]
+    for s in seeds:
+        cell = {a: value(by[a, s], endpoint) if (a, s) in by else None for a in arms}
+        per_seed.append(f"| {s} | " + " | ".join("-" if cell[a] is None else f"{cell[a]:.3f}" for a in arms) + " | "
+                        + " | ".join("-" if cell[a] is None or cell[b] is None else f"{cell[a] - cell[b]:+.3f}"
+                                     for a, b in present) + " |")
+    return "\n".join([verdict or "No primary contrast: the study lacks one of its arms.", "", *out, "",
+                      *(pooled if len(pooled) > 2 else []), "", f"Per seed, {endpoint} greedy accuracy:", "",
+                      *per_seed])
+
+
 def per_run(results):
     """Every run on its own line: greedy accuracy at each evaluation, then the final numbers."""
     steps = sorted({s for r in results for s, _ in r["curve"]})
@@ -458,9 +673,12 @@ def cached_run(code, path, fingerprint, what):
     return res
 
 
-def weight_change(out, fingerprint):
+def weight_change(out, fingerprint, from_logs=False):
     """||theta_final - theta_0|| / ||theta_0|| of a run, against the model it started from (in
-    a subprocess with one thread, cached in moved.json)."""
+    a subprocess with one thread, cached in moved.json; its final evaluation measures it too).
+    from_logs: only what moved.json holds, or None."""
+    if from_logs:
+        return json.loads(read_text(os.path.join(out, "moved.json")) or "{}").get("moved")
     code = ("import json, torch\nfrom machinery.models import load_model\n"
             "from transformers import AutoModelForCausalLM\n"
             f"cfg = json.load(open({os.path.join(out, 'final', 'run_config.json')!r}))\n"
@@ -493,8 +711,9 @@ def report(folder, results, arms, study, base, first):
         dst = os.path.join(folder, "run_logs", f"{r['arm']}-s{r['seed']}")  # not -vN: the report's names
         os.makedirs(dst, exist_ok=True)
         for name in SMALL_FILES:
-            if os.path.isfile(os.path.join(r["out"], name)):
-                shutil.copy(os.path.join(r["out"], name), dst)
+            src = os.path.join(r["out"], name)
+            if os.path.isfile(src) and not os.path.samefile(os.path.dirname(src), dst):
+                shutil.copy(src, dst)
     with open(os.path.join(folder, "base_eval.json"), "w") as f:
         json.dump(base, f)
     cmd = " ".join(["python compare.py", *sys.argv[1:]])
@@ -504,6 +723,8 @@ def report(folder, results, arms, study, base, first):
                 f"{mechanics(results, arms)}\n\n{diagnostics(results, arms)}\n\n"
                 f"Each run (greedy accuracy on the held-out questions at each evaluated step):\n\n"
                 f"{per_run(results)}\n\n"
+                + (f"## The pre-registered analysis (docs/confirm/PLAN.md)\n\n{confirmatory(results)}\n\n"
+                   if study.get("confirm") else "") +
                 f"Mean +- std over seeds (population std). The model {first['arm']} seed {first['seed']} started "
                 "from, greedy: " + ", ".join(f"{k} {v:.3f}" for k, v in base.items()) + "\n")
 
@@ -555,6 +776,10 @@ def parse_args(argv):
     ap.add_argument("--plot", default="", help="also write the learning curves (tools/plot.py) to this .png, .pdf "
                     "or .svg (needs matplotlib)")
     ap.add_argument("--report", default="", help="write the tables and each run's small files to this folder")
+    ap.add_argument("--from-logs", default="", metavar="REPORT",
+                    help="run nothing: read the study's runs from REPORT/run_logs as they are, whatever code made them "
+                    "(a committed report stays reproducible after the code changes), and print the tables (and with "
+                    "--report write them)")
     args = ap.parse_args(own)
     args.extra = extra
     for flag, values in (("--arms", args.arms), ("--seeds", args.seeds)):
@@ -567,6 +792,10 @@ def parse_args(argv):
     for flag, path in (("--out", args.out), ("--report", args.report)):
         if path and os.path.exists(path) and not os.path.isdir(path):
             die(f"{flag} {path} is a file; name a folder")
+    if args.from_logs and not os.path.isdir(os.path.join(args.from_logs, "run_logs")):
+        die(f"--from-logs {args.from_logs}: no run_logs folder there; name a report folder that holds one")
+    if args.from_logs and (args.out or args.rerun_stale or extra):
+        die("--from-logs runs nothing, so --out, --rerun-stale and scgrpo.py flags after -- do not apply; drop them")
     for name in ("--algo", "--seed", "--out"):
         if name in extra:
             die(f"{name} after -- would override what each run's arm, seed or folder sets; use --arms, "
@@ -577,7 +806,8 @@ def parse_args(argv):
 def main():
     args = parse_args(sys.argv[1:])
     study = STUDIES[args.study]
-    out = args.out or os.path.join("runs", f"compare-{args.study}")
+    out = os.path.join(args.from_logs, "run_logs") if args.from_logs else \
+        args.out or os.path.join("runs", f"compare-{args.study}")
     arms = args.arms or study.get("arms", ["grpo", "dapo", "scgrpo"])
     seeds = args.seeds or study["seeds"]
     # seed by seed, so a study stopped part way leaves whole paired seeds behind
@@ -591,22 +821,27 @@ def main():
         arm_flags = {a: globals()[ARMS[a][1]](results, flags) if derived else ARMS[a][1]
                      for a in arms if isinstance(ARMS[a][1], str) == derived}
         with ThreadPoolExecutor(args.jobs) as pool:
-            results += list(pool.map(lambda j: run_one(*j, out, flags + arm_flags[j[0]], args.rerun_stale),
+            results += list(pool.map(lambda j: run_one(*j, out, flags + arm_flags[j[0]], args.rerun_stale,
+                                                       study.get("confirm", False), bool(args.from_logs)),
                                      [j for j in jobs if j[0] in arm_flags]))
     results.sort(key=lambda r: (arms.index(r["arm"]), seeds.index(r["seed"])))
     if args.report:
         for r in results:
-            r["moved"] = weight_change(r["out"], r["fingerprint"])
+            r["moved"] = weight_change(r["out"], r["fingerprint"], args.from_logs)
         # the model the first run started from (with --model tiny, seed-dependent), evaluated greedily
         first = results[0]
+        if args.from_logs and not os.path.isfile(os.path.join(first["out"], "base_eval.json")):
+            die(f"--from-logs: {first['out']} lacks base_eval.json, the evaluation of the model the study started from")
         res = evaluations(first["out"], "base_eval", first["fingerprint"],
-                          [*first["flags"], "--seed", str(first["seed"])], 0)
+                          [*first["flags"], "--seed", str(first["seed"])], 0, study.get("confirm", False))
         base = {k: v for k, v in res.items() if k.startswith(("eval_greedy", "greedy_"))}
         report(args.report, results, arms, study, base, first)
     print(table(results, arms, study["reach"], study["gain"]))
     print(paired(results, arms))
     print(mechanics(results, arms))
     print(diagnostics(results, arms))
+    if study.get("confirm"):
+        print(confirmatory(results))
     print(f"{len(jobs)} runs, {args.jobs} at a time: {(time.time() - t0) / 60:.1f} minutes (runs read back cost none)",
           file=sys.stderr)
     if args.plot:

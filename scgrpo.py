@@ -658,34 +658,37 @@ def avg_and_pass_at_k(correct):
 
 
 def answer_and_verify(model, tok, problems, cfg, eos_ids, n, temperature, gen):
-    """n answers to each problem, graded. -> (len(problems) * n bools, the answers' texts)"""
+    """n answers to each problem, graded. -> (texts, correct, lengths), len(problems) * n each"""
     # questions per sampler call: at most max(eval_batch, a step's answers) rows, as in training
     q = max(1, min(cfg.eval_batch, max(cfg.eval_batch, cfg.prompts_per_step * cfg.group_size) // n))
-    texts = []
+    texts, lengths = [], []
     for i in tqdm(range(0, len(problems), q), desc="eval", leave=False, disable=None):
         prompts = [encode_prompt(tok, p["question"]) for p in problems[i:i + q]]
         ids, mask, _, _ = sample_answers(model, cfg, prompts, n, temperature, eos_ids,
                                          tok.pad_token_id, gen)                    # (q n, L)
-        texts += decode(tok, ids, mask)
-    return [verify(t, problems[j // n]["answer"]) for j, t in enumerate(texts)], texts
+        texts, lengths = texts + decode(tok, ids, mask), lengths + mask.sum(1).tolist()
+    return texts, [verify(t, problems[j // n]["answer"]) for j, t in enumerate(texts)], lengths
 
 
 @torch.no_grad()
 def evaluate(model, tok, problems, cfg, eos_ids):
     """Greedy accuracy on `problems`, and Avg@k / Pass@k (k = cfg.eval_k) at the training
     temperature. Its own generator: evaluating never shifts the training random stream.
-    -> (metrics, the first 4 greedy answers)"""
+    -> (metrics, per question: the greedy answer's text, correct, length, extracted number,
+    and with k > 0 how many of its k samples were correct)"""
     device, k = next(model.parameters()).device, cfg.eval_k
     gen = torch.Generator(device).manual_seed(cfg.seed + EVAL_SEED_OFFSET)
-    greedy, texts = answer_and_verify(model, tok, problems, cfg, eos_ids, 1, 0.0, gen)
-    shown = [dict(question=p["question"], completion=t, reward=float(ok))
-             for p, t, ok in zip(problems[:4], texts[:4], greedy)]
+    texts, greedy, lengths = answer_and_verify(model, tok, problems, cfg, eos_ids, 1, 0.0, gen)
+    per_question = dict(text=texts, correct=greedy, length=lengths,
+                        answer=[extract_answer(t) for t in texts])
     out = {"eval_greedy_acc": sum(greedy) / len(greedy)}
     if k:
-        sampled, _ = answer_and_verify(model, tok, problems, cfg, eos_ids, k, cfg.temperature, gen)
-        out["eval_avg_at_k"], out["eval_pass_at_k"] = avg_and_pass_at_k(
-            torch.tensor(sampled).view(-1, k))
-    return out, shown
+        _, sampled, _ = answer_and_verify(model, tok, problems, cfg, eos_ids, k, cfg.temperature,
+                                          gen)
+        hits = torch.tensor(sampled).view(-1, k)                                   # (Q, k)
+        out["eval_avg_at_k"], out["eval_pass_at_k"] = avg_and_pass_at_k(hits)
+        per_question["k_correct"] = hits.sum(1).tolist()
+    return out, per_question
 
 
 def main(argv=None):

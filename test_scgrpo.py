@@ -13,6 +13,7 @@ import os
 import random
 import re
 import signal
+import statistics
 import shutil
 import subprocess
 import sys
@@ -1098,13 +1099,24 @@ def test_eval_only_scores_the_tiny_model_and_a_saved_run_as_training_did(tmp_pat
     S.main(["--eval-only", "--eval-k", "2", "--out", str(tmp_path / "base")])
     with open(tmp_path / "base" / "eval.json") as f:
         got = json.load(f)
-    assert os.listdir(tmp_path / "base") == ["eval.json"] and "greedy acc" in capsys.readouterr().out
+    assert sorted(os.listdir(tmp_path / "base")) == ["eval.json", "questions.jsonl"]
+    assert "greedy acc" in capsys.readouterr().out
     cfg, _ = cli.parse_config(S.Config, S.PRESETS, ["--eval-k", "2", "--out", str(tmp_path / "x")])
     torch.manual_seed(0)
     model, tok = models.load_model("tiny", 0)
     test = tasks.load_task(cfg)[1][:cfg.eval_n]
-    want, shown = S.evaluate(model, tok, test, cfg, models.stop_ids(model, tok))
-    assert {k: got[k] for k in want} == want and got["samples"] == shown and got["eval_n"] == len(test)
+    want, per_question = S.evaluate(model, tok, test, cfg, models.stop_ids(model, tok))
+    assert {k: got[k] for k in want} == want and got["eval_n"] == len(test)
+    assert got["samples"] == [dict(question=p["question"], completion=t, reward=float(ok))
+                              for p, t, ok in zip(test[:4], per_question["text"], per_question["correct"])]
+    # per question: each answer's grade, length and the number the verifier read from its text
+    with open(tmp_path / "base" / "questions.jsonl") as f:
+        line = json.loads(f.read())
+    assert line == {"correct": [int(ok) for ok in per_question["correct"]], "length": per_question["length"],
+                    "answer": [S.extract_answer(t) for t in per_question["text"]],
+                    "k_correct": per_question["k_correct"]}
+    assert sum(line["correct"]) / len(test) == want["eval_greedy_acc"] and len(line["length"]) == len(test)
+    assert sum(line["k_correct"]) / (2 * len(test)) == want["eval_avg_at_k"]
     run_dir = tmp_path / "run"
     S.main(["--steps", "20", "--eval-every", "20", "--eval-k", "2", "--out", str(run_dir)])
     last = read_metrics(str(run_dir))[-1]
@@ -1209,6 +1221,8 @@ def test_sigint_then_resume_equals_an_uninterrupted_run(tmp_path):
                        env=ONE_THREAD)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "resuming" in r.stdout and train_lines(out) == train_lines(ref)
+    with open(os.path.join(out, "questions.jsonl")) as f, open(os.path.join(ref, "questions.jsonl")) as g:
+        assert f.read() == g.read()  # one line per evaluation (steps 0 and 60), as if never stopped
 
 
 def test_resume_with_more_steps_equals_one_long_run(tmp_path):
@@ -1220,6 +1234,21 @@ def test_resume_with_more_steps_equals_one_long_run(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     assert train_lines(short, after=25) == train_lines(long_, after=25)
     assert len(train_lines(short)) == 40
+
+
+def test_confirmatory_set_is_1000_new_sums_in_the_training_wording():
+    """The confirmatory study's held-out set: 1,000 distinct two-digit sums, asked as training asks,
+    none of them a training or test question of the addition task; every gold answer verifies;
+    drawn in code, so the same on every machine (its first rows checked by hand)."""
+    train, test = tasks.make_addition()
+    rows = tasks.make_addition_confirm()
+    questions = [r["question"] for r in rows]
+    assert len(set(questions)) == 1000 and not set(questions) & {r["question"] for r in train + test}
+    for r in rows:
+        a, b = map(int, re.fullmatch(r"What is (\d+) \+ (\d+)\?", r["question"]).groups())
+        assert 10 <= a <= 99 and 10 <= b <= 99 and r["answer"] == f"{a} + {b} = {a + b}\n#### {a + b}"
+        assert S.verify(r["answer"], r["answer"]) and not S.verify(str(a + b + 1), r["answer"])
+    assert questions[:2] == ["What is 62 + 12?", "What is 90 + 25?"] and rows == tasks.make_addition_confirm()
 
 
 @pytest.mark.parametrize("task", sorted(tasks.TASKS))
@@ -1721,6 +1750,89 @@ def test_compare_paired_table_and_diagnostics_by_hand():
     assert rows[3] == f"| scgrpo | 0.317 / 0.450 / 0.00..0.50 | -0.083 [{lo:+.3f}, {hi:+.3f}] (3) | 1 of 3 (seeds [1]) |"
     rows = C.diagnostics(runs, ["scgrpo"]).splitlines()
     assert rows[2] == "| scgrpo | 3 of 9 | 0.25 (6) | 0.0003 (3) | 0.0001 (6) |"
+
+
+def test_compare_evaluates_a_final_model_in_one_process_as_separate_eval_only_runs_do(tmp_path):
+    """compare.evaluations loads a run's final model once and scores it on the held-out questions
+    (Avg@k too), each reworded set and the confirmatory set; every number and every per-question line
+    equals what a separate scgrpo.py --eval-only process gives on that set (a --data folder of it),
+    and the weight change equals the separate measurement compare.weight_change makes."""
+    import compare as C
+    run_dir = tmp_path / "run"
+    run_ok(str(run_dir), "--task", "addition", "--steps", "2", "--eval-every", "2", "--eval-n", "10",
+           "--eval-k", "0")
+    final = str(run_dir / "final")
+    got = C.evaluations(str(run_dir), "final_eval", "fp", ["--model", final], 2, confirm=True)
+    lines = C.read_questions(str(run_dir / "final_eval_questions.jsonl"))
+    assert list(lines) == ["held-out", "add", "story", "confirm"]
+    test = tasks.make_addition()[1][:10]
+    sets = {"held-out": (test, 2), "confirm": (tasks.make_addition_confirm(), 0),
+            **{w: (C.reworded(test, C.WORDINGS[w]), 0) for w in C.WORDINGS}}
+    for name, (rows, k) in sets.items():
+        data = tmp_path / f"{name}-data"
+        data.mkdir()
+        for split in ("train", "test"):
+            (data / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        out = tmp_path / f"{name}-eval"
+        r = run("--eval-only", "--model", final, "--data", str(data), "--eval-n", str(len(rows)), "--eval-k",
+                str(k), "--out", str(out), env=ONE_THREAD)
+        assert r.returncode == 0, r.stderr[-2000:]
+        alone = json.loads((out / "eval.json").read_text())
+        key = "eval_greedy_acc" if name == "held-out" else f"greedy_{name}"
+        assert got[key] == alone["eval_greedy_acc"]
+        if k:
+            assert (got["eval_avg_at_k"], got["eval_pass_at_k"]) == (alone["eval_avg_at_k"], alone["eval_pass_at_k"])
+        assert {**json.loads((out / "questions.jsonl").read_text()), "set": name} == lines[name]
+    assert len(lines["confirm"]["correct"]) == 1000
+    moved = json.loads((run_dir / "moved.json").read_text())
+    os.remove(run_dir / "moved.json")
+    assert moved["fingerprint"] == "fp" and C.weight_change(str(run_dir), "other") == pytest.approx(moved["moved"],
+                                                                                                    rel=1e-6)
+
+
+def test_confirmatory_statistics_against_tables_and_hand_computed_cases():
+    """The pre-registered analysis's arithmetic: Student t quantiles against printed tables (5 places),
+    the incomplete beta at closed forms, the exact sign-flip test and McNemar test counted by hand,
+    Holm's adjustment by hand, the paired-t interval from its formula."""
+    import compare as C
+    for p, df, want in [(0.975, 11, 2.20099), (0.975, 4, 2.77645), (0.95, 4, 2.13185), (0.975, 1, 12.7062),
+                        (0.995, 30, 2.75000)]:
+        assert C.t_quantile(p, df) == pytest.approx(want, abs=1e-5)
+    assert C.t_quantile(0.025, 11) == pytest.approx(-2.20099, abs=1e-5)
+    for x in (0.1, 0.5, 0.9):
+        assert C.incomplete_beta(1, 1, x) == pytest.approx(x) and C.incomplete_beta(3, 1, x) == pytest.approx(x ** 3)
+        assert C.incomplete_beta(2, 5, x) + C.incomplete_beta(5, 2, 1 - x) == pytest.approx(1.0)
+    # four +1s and one -1: |sum| >= 3 in 12 of the 32 sign patterns (all five agree: 2; four agree: 10)
+    assert C.sign_flip_p([1, 1, 1, 1, -1]) == 12 / 32 and C.sign_flip_p([0.2] * 12) == 2 / 4096
+    assert C.sign_flip_p([0.0, 0.0]) == 1.0
+    assert C.mcnemar_p(10, 2) == pytest.approx(2 * (1 + 12 + 66) / 4096) and C.mcnemar_p(0, 0) == 1.0
+    assert C.holm({"a": 0.01, "b": 0.04, "c": 0.03}) == {"a": 0.03, "b": 0.06, "c": 0.06}
+    lo, hi = C.t_interval([0.1, 0.2, 0.04, -0.01, 0.1])
+    half = 2.776445 * statistics.stdev([0.1, 0.2, 0.04, -0.01, 0.1]) / math.sqrt(5)
+    assert (lo, hi) == pytest.approx((0.086 - half, 0.086 + half), abs=1e-5)
+
+
+def test_confirmatory_analysis_on_the_exploratory_runs_read_as_committed(tmp_path):
+    """compare.py --from-logs reads a committed report's run logs as they are (whatever code made them),
+    runs nothing and writes the same tables; the pre-registered analysis, applied to the exploratory
+    study's final greedy accuracy, gives its paired differences (+0.10 +0.20 +0.04 -0.01 +0.10 by hand from
+    its per-run table): mean +0.086, 4 of 5 ahead, exact p = 0.125, the paired-t 95% interval from its formula."""
+    import compare as C
+    report = os.path.join(HERE, "docs", "paper_regime")
+    r = subprocess.run([sys.executable, "compare.py", "--study", "smollm2-paper", "--from-logs", report, "--report",
+                        str(tmp_path)], cwd=HERE, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    with open(os.path.join(report, "table.md")) as f, open(tmp_path / "table.md") as g:
+        committed, again = f.read().splitlines()[3:], g.read().splitlines()[3:]  # from the first table's rows on
+    assert again == committed
+    flags = C.STUDIES["smollm2-paper"]["flags"]
+    results = [C.run_one(a, s, os.path.join(report, "run_logs"), flags + C.ARMS[a][1], from_logs=True)
+               for a in ("grpo", "scgrpo") for s in range(5)]
+    text = C.confirmatory(results, endpoint="held-out")
+    d = [0.10, 0.20, 0.04, -0.01, 0.10]
+    lo, hi = C.t_interval(d)
+    assert f"| scgrpo - grpo | held-out | +0.0860 | 4 / 1 of 5 | [{lo:+.4f}, {hi:+.4f}] | 0.125 |" in text
+    assert text.startswith("**Null**") and "| 3 | 0.510 | 0.500 | -0.010 |" in text
 
 
 def test_eq5_length_tool_reports_the_correlations_of_its_own_pairs(tmp_path):

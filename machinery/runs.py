@@ -175,13 +175,14 @@ class Run:
                   "the sampler's random stream restarts (seeded), so samples differ from there")
         self.batcher.epoch, self.batcher.pos = st["batcher"]
         self.start, self.bad = st["step"] + 1, st["bad_steps"]
-        keep = []  # drop the lines of steps past the checkpoint: they are re-run
-        if os.path.exists(self.metrics_path):
-            with open(self.metrics_path) as f:
-                keep = [ln for ln in f if json.loads(ln)["step"] <= st["step"]]
-        with open(self.metrics_path + ".tmp", "w") as f:
-            f.writelines(keep)
-        os.replace(self.metrics_path + ".tmp", self.metrics_path)
+        for path in (self.metrics_path, os.path.join(self.cfg.out, "questions.jsonl")):
+            keep = []  # drop the lines of steps past the checkpoint: they are re-run
+            if os.path.exists(path):
+                with open(path) as f:
+                    keep = [ln for ln in f if json.loads(ln)["step"] <= st["step"]]
+            with open(path + ".tmp", "w") as f:
+                f.writelines(keep)
+            os.replace(path + ".tmp", path)
         print(f"resuming {self.cfg.out} from step {st['step']} ({ckpt})")
 
     def log(self, record):
@@ -223,27 +224,30 @@ class Run:
                   f"  python {os.path.basename(sys.argv[0])} --resume {cfg.out}")
             sys.exit(130)
 
-    def log_eval(self, step, res, shown):
-        """Log an evaluation's metrics, its first answers and (SC-GRPO) the credit page of the
-        last answers a teacher scored."""
+    def log_eval(self, step, res, per_question):
+        """Log an evaluation's metrics, its per-question results (questions.jsonl), its first
+        answers (samples.jsonl) and (SC-GRPO) the credit page of the last answers a teacher
+        scored."""
         credit = self.credit if self.cfg.algo == "scgrpo" else None
         cfg, peak = self.cfg, peak_memory_gb(self.device)  # CUDA: the evaluation's peak
         res = {**res, **({} if peak is None else {"mem_eval_gb": peak})}
         self.log({"step": step, **res})
-        for s in shown:
+        write_questions(os.path.join(cfg.out, "questions.jsonl"), {"step": step}, per_question)
+        for s in first_answers(self.eval_set, per_question):
             self.samples_f.write(json.dumps({"step": step, **s}) + "\n")
         if credit:
             write_credit_html(os.path.join(cfg.out, f"credit_{step}.html"), step, credit)
         tqdm.write(f"eval step {step} | {eval_line(cfg, res)}")
 
     def save_eval(self, evaluate):
-        """--eval-only: evaluate(model, tok, test set, cfg, eos ids) -> (metrics, first answers),
-        written to <out>/eval.json and printed."""
+        """--eval-only: evaluate(model, tok, test set, cfg, eos ids) -> (metrics, per question),
+        written to <out>/eval.json (with the first answers) and <out>/questions.jsonl, printed."""
         cfg, path = self.cfg, os.path.join(self.cfg.out, "eval.json")
-        res, shown = evaluate(self.model, self.tok, self.eval_set, cfg, self.eos_ids)
+        res, per_question = evaluate(self.model, self.tok, self.eval_set, cfg, self.eos_ids)
         record = dict(model=cfg.model, task=cfg.task, data=cfg.data, eval_n=len(self.eval_set),
                       eval_k=cfg.eval_k, temperature=cfg.temperature, seed=cfg.seed, **res,
-                      samples=shown)
+                      samples=first_answers(self.eval_set, per_question))
+        write_questions(os.path.join(cfg.out, "questions.jsonl"), {}, per_question)
         with open(path + ".tmp", "w") as f:
             json.dump(record, f, indent=2)
         os.replace(path + ".tmp", path)
@@ -265,6 +269,23 @@ class Run:
         self.samples_f.close()
         self.tracker.close()
         print(f"done: final model in {self.cfg.out}/final, metrics in {self.metrics_path}")
+
+
+def first_answers(problems, per_question, n=4):
+    """The first n greedy answers of an evaluation, whole, for samples.jsonl and eval.json."""
+    return [dict(question=p["question"], completion=t, reward=float(ok))
+            for p, t, ok in zip(problems[:n], per_question["text"], per_question["correct"])]
+
+
+def write_questions(path, head, per_question):
+    """Append one evaluation's per-question results to `path` as one JSON line: `head` (its
+    step, or the set evaluated), then a list per field, entry q for question q of the set:
+    correct (0/1), length (tokens, EOS included), answer (the number extract_answer read, or
+    null), and k_correct (of the k samples) when Avg@k ran. The texts stay out (samples.jsonl)."""
+    fields = {k: [int(x) for x in v] if k in ("correct", "length", "k_correct") else v
+              for k, v in per_question.items() if k != "text"}
+    with open(path, "a") as f:
+        f.write(json.dumps({**head, **fields}) + "\n")
 
 
 def eval_line(cfg, res):

@@ -24,15 +24,30 @@ def make_arith():
     return rows[20:], rows[:20]
 
 
+ADDITION_PAIRS = [(a, b) for a in range(10, 100) for b in range(10, 100)]  # 8,100 ordered pairs
+
+
+def addition_rows(pairs):
+    """Sums (a, b) -> rows in GSM8K's schema, asked 'What is a + b?'."""
+    return [{"question": f"What is {a} + {b}?", "answer": f"{a} + {b} = {a + b}\n#### {a + b}"}
+            for a, b in pairs]
+
+
 def make_addition():
     """Two-digit sums in words, 'What is 47 + 38?' (a, b in 10..99), in GSM8K's schema: a task
     the real SmolLM2-135M-Instruct can learn (greedy accuracy 10% before training). 2,200
     distinct questions in a fixed order: the first 200 are held out for evaluation."""
-    pairs = random.Random(1234).sample([(a, b) for a in range(10, 100) for b in range(10, 100)],
-                                       2200)
-    rows = [{"question": f"What is {a} + {b}?", "answer": f"{a} + {b} = {a + b}\n#### {a + b}"}
-            for a, b in pairs]
+    rows = addition_rows(random.Random(1234).sample(ADDITION_PAIRS, 2200))
     return rows[200:], rows[:200]
+
+
+def make_addition_confirm(n=1000):
+    """The confirmatory study's held-out set (docs/confirm/PLAN.md): n more sums in the training
+    wording, drawn by a fixed shuffle (seed 2606) from the 5,900 pairs that make_addition never
+    uses, so disjoint from its training and test questions."""
+    used = set(random.Random(1234).sample(ADDITION_PAIRS, 2200))
+    unused = [p for p in ADDITION_PAIRS if p not in used]                          # 5,900
+    return addition_rows(random.Random(2606).sample(unused, n))
 
 
 TASKS = {"arith": make_arith, "addition": make_addition}  # offline; gsm8k comes from the hub
