@@ -159,14 +159,9 @@ def partial_teacher_pass(model, tok, cfg, ro, own_prompt=False):
     """scgrpo.self_condition on `ro` with every group routed 'partial' (references drawn from
     seed 0). own_prompt: the teacher gets the student's own prompt, so D measures only the
     rounding between the two passes (the KL floor). -> its metrics"""
-    real_encode = S.encode_prompt
-    if own_prompt:
-        S.encode_prompt = lambda tok, q, reference=None: real_encode(tok, q)
-    try:
-        batch = S.make_batch(ro, ["partial"] * len(ro.problems), S.group_advantages(ro.reward), random.Random(0))
-        return S.self_condition(model, tok, cfg, ro, batch)
-    finally:
-        S.encode_prompt = real_encode
+    encode = (lambda tok, q, reference=None: S.encode_prompt(tok, q)) if own_prompt else S.encode_prompt
+    batch = S.make_batch(ro, ["partial"] * len(ro.problems), S.group_advantages(ro.reward), random.Random(0))
+    return S.self_condition(model, tok, cfg, ro, batch, encode=encode)[1]
 
 
 def gpu_check(args):

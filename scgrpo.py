@@ -9,15 +9,19 @@ prompt (the teacher, Eq. 4), re-scores the sampled answer in that context, and m
 position how far the next-token distribution moved, D_t = KL(teacher || student). Tokens where
 seeing a correct solution changes the model's mind are the decisions that mattered; f(D) =
 D / (D + c), with c the P75 of D over the step's scored tokens, turns D into a weight in [0, 1)
-on that token's clipped GRPO term. Groups with no correct answer get a small diversity
-advantage instead, Eq. (5): the answers that differ most from one of their own wrong answers
-(highest mean f(D) against it) are pushed up, the ones that repeat it down.
+on that token's clipped GRPO term. Groups with no correct answer get a small diversity advantage
+instead, Eq. (5): the teacher holds one of their own wrong answers o_r, and the answers whose
+tokens that changes most (highest mean f(D)) are pushed up, their tokens again weighted by f(D).
 
-Words used below. n_c: the number of correct answers in a group; it picks the group's route:
-partial (2 <= n_c < G), fallback (n_c = 1: plain GRPO), solve-none (n_c = 0), skip (n_c = G).
-A solve-none group has one answer drawn as its reference o_r; every other answer o_i is scored
-against it over its first L_i = min(|o_i|, |o_r|) tokens, and s_i is the mean f(D) there. The
-active tokens of an answer are those the teacher scores: all, or the first L_i if solve-none.
+Words used below. n_c, a group's number of correct answers, picks its route: partial (2 <= n_c
+< G: tau drawn from the other correct answers), fallback (n_c = 1: plain GRPO, weight 1),
+solve-none (n_c = 0: Eq. 5, the reference o_r drawn from the group), skip (n_c = G). Each other
+answer o_i of a solve-none group is scored over its first L_i = min(|o_i|, |o_r|) tokens: s_i is
+the mean f(D) there. An answer's active tokens are those the teacher scores: all, or the first
+L_i. Baselines: --algo grpo (every weight 1), --algo dapo (GRPO with DAPO's upper clip 0.28,
+groups of equal reward dropped and refilled, a token-level loss mean, a length penalty near the
+cap). The tiny default model reads digits only: its prompts lack the system prompt and the guide
+text (the reference follows a ';'); the SmolLM2 preset runs the full teacher prompt of Eq. (4).
 
 Where this file simplifies or interprets the paper (docs/notes.md says why, at length):
  1. c = max(P75(D), c_min) is taken over the active tokens of the whole step, not per micro-batch.
@@ -34,6 +38,8 @@ Where this file simplifies or interprets the paper (docs/notes.md says why, at l
 12. DAPO refills its batch for at most --dapo-max-rounds = 3 sampling rounds per step.
 13. DAPO's overlong buffer is max_new_tokens // 4 for real models unless given (cli.py), 0 tiny.
 14. A token whose D is not finite gets weight 0 and is left out of c, with a warning.
+15. Eq. (5) as written. The paper reads a high s_i as "unlike o_r"; on the untrained SmolLM2 a
+    copy of o_r outscores 96% of its group (docs/eq5.md). --eq5-score unlike: by token match.
 
 Every line below runs as written unless --fast is on (the real-model presets turn it on): then
 three steps, each marked `if cfg.fast:`, call machinery/speed.py for the same numbers, faster
@@ -45,35 +51,35 @@ Run it (--help lists every flag and the presets; --resume RUN continues a run; -
     python scgrpo.py --model Qwen2.5-0.5B --task gsm8k      # one 24 GB GPU
     python scgrpo.py --eval-only --model runs/<run>/final   # score a model, no training
 """
+import difflib
 import math
 import random
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
+from torch.nn.utils import clip_grad_norm_
 from tqdm import tqdm
 
 from machinery import speed  # the fast equals of three plain steps below (--fast)
-from machinery.batching import decode, distinct, join, left_pad, pack, select_groups, take_rows
+from machinery.batching import (decode, distinct, join, left_pad, micro_batches, pack,
+                                select_groups, take_rows)
 from machinery.cli import parse_config  # flags -> Config: preset, then explicit flags; checks
 from machinery.credit import credit_examples  # the answers shown on the credit page
-from machinery.models import TINY_TEMPLATE, autocast
-from machinery.runs import (Phases, Run, gradient_norm, kl_metrics, relative_change,
-                            step_metrics)  # the run folder and what it logs
-from machinery.tasks import Batcher
-# Bookkeeping helpers: left_pad(token lists, pad_id, device) -> ids, mask (B, P), padded on the
-# left so every prompt ends in the last column; decode(tok, ids, mask) -> N texts; pack(rollout,
-# rows[, n]) -> ids, mask (b, L) of those answers (or their first n tokens); distinct(keys, device)
-# -> (the distinct keys, each key's index among them); join(rollouts), select_groups(rollout,
-# groups), take_rows(batch, rows): concatenate or pick rows; autocast(model): bf16 if --dtype
-# asked for it, else a no-op. Batcher, Phases, Run: see where train() and train_step() use them.
+from machinery.models import TINY_TEMPLATE, autocast, training
+from machinery.runs import Phases, Run, UpdateLog, kl_metrics, step_metrics  # the run folder, logs
+from machinery.tasks import Batcher, last_boxed
+# Bookkeeping, named where used: left_pad(token lists) -> ids, mask (B, P) padded on the left so
+# every prompt ends in the last column; decode -> texts; pack(rollout, rows[, n]) -> ids, mask
+# (b, L) of those answers (their first n tokens); distinct(keys) -> (the distinct keys, each key's
+# index among them); join, select_groups, take_rows: concatenate or pick rows; autocast: bf16 if
+# --dtype asks; micro_batches, training, UpdateLog: the update's order, mode and numbers.
 
 # Config -------------------------------------------------------------------------------------------
 
 def setting(default, help, choices=None):
-    """A Config field: its default, its --help text (unit, and why this default), the values
-    it may take (an enumerated flag)."""
+    """A Config field: its default, its --help text (unit, why this default), allowed values."""
     return field(default=default, metadata={"help": help, "choices": choices})
 
 
@@ -120,13 +126,14 @@ class Config:
                                  "step's only gradient", ("step", "skip"))
     eq5_window: str = setting("paper", "group (not the paper's): Eq. (5) scores every answer over "
                               "the group's shortest one", ("paper", "group"))
+    eq5_score: str = setting("kl", "unlike (not the paper's): Eq. (5) pushes up the answers least "
+                             "like o_r by token match, not those of highest f(D)", ("kl", "unlike"))
     log_update_size: bool = setting(False, "log ||delta theta|| / ||theta|| (holds a weight copy)")
     report_to: str = setting("none", "a tracker too", ("none", "tensorboard", "wandb", "trackio"))
     eval_only: bool = setting(False, "evaluate --model (a hub id, .gguf or folder) and stop")
 
 
-# tiny: learns on a CPU in minutes, on the plain lines. SmolLM2-135M-Instruct: --task addition on
-# 2 CPU cores; other (hub) models: one 24 GB GPU. Both run --fast: 5.3x per SmolLM2 step here.
+# tiny: a CPU, minutes, the plain lines; SmolLM2-135M-Instruct: 2 CPU cores; hub models: a GPU
 PRESETS = {
     "tiny": dict(steps=2000, prompts_per_step=16, group_size=16, max_new_tokens=2, lr=3e-4,
                  micro_batch=256, eval_every=250, eval_n=100, eval_batch=100, save_every=500,
@@ -144,19 +151,6 @@ PRESETS = {
 NUMBER = re.compile(r"-?[0-9][0-9,]*(?:\.[0-9]+)?")  # no nested quantifiers: linear time
 
 
-def last_boxed(text):
-    """Content of the last \\boxed{...}, with nested braces; None if absent or unclosed."""
-    start = text.rfind("\\boxed{")
-    if start < 0:
-        return None
-    depth, i = 0, start + len("\\boxed")
-    for j in range(i, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[j], 0)
-        if depth == 0:
-            return text[i + 1:j]
-    return None
-
-
 def normalize_number(s):
     """The first number in s: '$1,234.00' -> '1234', '-3.50%' -> '-3.5'; None if there is none."""
     m = NUMBER.search(s.replace("$", ""))
@@ -171,7 +165,7 @@ def normalize_number(s):
 def extract_answer(text):
     """The final answer of a completion: the last \\boxed{}, else the number after the last
     '####', else after the last 'answer is', else the last number in the text. Never raises."""
-    box = last_boxed(text)
+    box = last_boxed(text)  # the content of the last \boxed{...}, nested braces and all
     if box is not None:
         return normalize_number(box)
     for k, marker in ((text.rfind("####"), "####"), (text.lower().rfind("answer is"), "answer is")):
@@ -195,6 +189,7 @@ def verify(completion, gold):
 
 SYSTEM_PROMPT = ("Solve the math problem step by step. Give the final answer as a number in "
                  "\\boxed{}.")
+# the guide text, our wording (note 11); a solve-none o_r, a wrong answer, gets it too (note 6)
 GUIDE = ("\n\nBelow is a solution to this problem that was checked and is correct. Use it to "
          "guide your reasoning, then write your own complete solution.\n\nChecked solution:\n")
 
@@ -218,8 +213,8 @@ def encode_prompt(tok, question, reference=None):
 
 @dataclass
 class Rollout:
-    """G graded answers to each of B questions; row n of the (N, L) tensors, N = B * G, is
-    answer n % G to question n // G. hidden and lse: see speed.teacher_kl (--fast only)."""
+    """G graded answers to each of B questions; row j of the (N, L) tensors, N = B * G, is
+    answer j % G to question j // G. hidden and lse: see speed.teacher_kl (--fast only)."""
     problems: list                # B task dicts {'question', 'answer'}
     prompts: list                 # B student prompts, token-id lists
     ids: torch.Tensor             # (N, L) answer tokens, padding after the end
@@ -231,7 +226,11 @@ class Rollout:
     lse: torch.Tensor = None      # (N, L) the student's log sum_v exp(z_v / T)
 
     @property
-    def lengths(self):            # (B, G) answer lengths in tokens, EOS included
+    def G(self):                  # answers per question, read from the rollout in one place
+        return self.correct.shape[1]
+
+    @property
+    def lengths(self):            # (B, G) |o_i|: answer lengths in tokens, EOS included
         return self.mask.sum(1).cpu().view(self.correct.shape)
 
 
@@ -264,8 +263,8 @@ def sample(model, prompts, n, max_new, temperature, eos_ids, pad_id, gen):
 
 
 def sample_answers(model, cfg, prompts, n, temperature, eos_ids, pad_id, gen, keep_states=False):
-    """n answers to each prompt by sample(), or speed.sample with --fast. -> ids, mask (N, L),
-    and the student's states for speed.teacher_kl (--fast, keep_states, fp32) or None, None."""
+    """sample(), or speed.sample with --fast. -> ids, mask (N, L), and the student's states
+    (speed.teacher_kl reuses them: --fast, keep_states, fp32) or None, None."""
     args = (model, prompts, n, cfg.max_new_tokens, temperature, eos_ids, pad_id, gen)
     if cfg.fast:  # speed.sample in place of sample(): a KV cache and inverse-CDF draws
         fp32 = getattr(model, "autocast_dtype", None) is None  # bf16: the teacher re-runs them
@@ -278,15 +277,16 @@ def rollout(model, tok, cfg, problems, gen, eos_ids):
     G = cfg.group_size
     prompts = [encode_prompt(tok, p["question"]) for p in problems]
     ids, mask, hidden, lse = sample_answers(model, cfg, prompts, G, cfg.temperature, eos_ids,
-                                            tok.pad_token_id, gen, cfg.algo == "scgrpo")
+                                            tok.pad_token_id, gen, keep_states=cfg.algo == "scgrpo")
     texts = decode(tok, ids, mask)
-    correct = torch.tensor([verify(t, problems[n // G]["answer"]) for n, t in enumerate(texts)])
+    correct = torch.tensor([verify(t, problems[j // G]["answer"]) for j, t in enumerate(texts)])
     correct = correct.view(-1, G).float()                                          # (B, G)
     reward = correct.clone()                                                       # (B, G)
     if cfg.algo == "dapo" and cfg.overlong_buffer:
         lengths = mask.sum(1).cpu().view(-1, G)
         reward += overlong_penalty(lengths, cfg.max_new_tokens, cfg.overlong_buffer)
-    return Rollout(problems, prompts, ids, mask, texts, correct, reward, hidden, lse)
+    return Rollout(problems=problems, prompts=prompts, ids=ids, mask=mask, texts=texts,
+                   correct=correct, reward=reward, hidden=hidden, lse=lse)
 
 
 def overlong_penalty(lengths, max_len, buffer):
@@ -314,10 +314,10 @@ def route_groups(rewards, algo):
       n_c = 1       'fallback'    plain GRPO (no second verified answer; paper: entropy collapse)
       n_c = G       'skip'        zero advantage"""
     G, routes = rewards.shape[1], []
-    for r in rewards:
-        n_c = int((r > 0.5).sum())
+    for group in rewards:                                                          # (G,)
+        n_c = int((group > 0.5).sum())
         if algo != "scgrpo":
-            routes.append("skip" if bool((r == r[0]).all()) else "grpo")
+            routes.append("skip" if bool((group == group[0]).all()) else "grpo")
         else:
             routes.append({0: "solve_none", 1: "fallback", G: "skip"}.get(n_c, "partial"))
     return routes
@@ -333,7 +333,7 @@ def pick_references(correct, route, rng, usable=None):
         good = [j for j in range(G) if correct[j] and usable[j]]
         return [rng.choice([j for j in good if j != i]) for i in range(G)]
     if route == "solve_none":
-        r = rng.choice([i for i in range(G) if usable[i]])
+        r = rng.choice([i for i in range(G) if usable[i]])                        # o_r's index
         return [None if i == r else r for i in range(G)]
     return [None] * G
 
@@ -341,15 +341,21 @@ def pick_references(correct, route, rng, usable=None):
 @dataclass
 class Batch:
     """The M answers that get a gradient this step, in rollout order (skipped groups and each
-    solve-none reference o_r left out). Every per-answer quantity is a row here, so a
-    micro-batch is a slice: batch[i:j]."""
-    row: torch.Tensor       # (M,) long, the answer's row in the rollout (question = row // G)
-    ref: torch.Tensor       # (M,) long, the rollout row of its reference tau; -1: no teacher
+    solve-none reference o_r left out; measure_kl and update visit them in their own orders).
+    Every per-answer quantity is a row, so a micro-batch is a slice, batch[i:j]. make_batch sets
+    kl 0, weights 1, adv Eq. (1); self_condition returns a copy with kl, f(D), Eq. (5) set."""
+    row: torch.Tensor       # (M,) long, the answer's row in the rollout
+    question: torch.Tensor  # (M,) long, its question b in the rollout: row // G
+    ref: torch.Tensor       # (M,) long, the rollout row of its reference (tau or o_r); -1: none
     route: list             # M routes: 'grpo', 'partial', 'solve_none' or 'fallback'
     adv: torch.Tensor       # (M,) A_i of Eq. (1), or alpha * A_div_i of Eq. (5) if solve-none
-    n_active: torch.Tensor  # (M,) its active tokens: all, or L_i if solve-none (note 4)
+    n_active: torch.Tensor  # (M,) its active tokens: all |o_i|, or L_i if solve-none (note 4)
     kl: torch.Tensor        # (M, L) D_it; 0 where not scored
     weights: torch.Tensor   # (M, L) f(D_it); 1 on each answer token for GRPO, DAPO, 'fallback'
+
+    @property
+    def scored(self):       # (R,) the rows whose answer a teacher scores: those with a reference
+        return (self.ref >= 0).nonzero().squeeze(1)
 
     def __getitem__(self, k):  # a slice or index list k -> the Batch of those rows
         return take_rows(self, torch.arange(len(self.route))[k])
@@ -358,30 +364,29 @@ class Batch:
 def make_batch(ro, routes, adv, rng, usable=None, window="paper"):
     """One row per answer that gets a gradient: its advantage, unit weights, and on SC-GRPO's
     routes its reference and active length. ro: Rollout; routes: B str; adv, usable (B, G).
-    -> Batch (kl still 0: self_condition fills it)"""
-    G, lengths = ro.correct.shape[1], ro.lengths.view(-1).tolist()
+    -> Batch (kl still 0: self_condition measures it)"""
+    G, lengths = ro.G, ro.lengths                                                  # (B, G)
     row, ref, route, n_active = [], [], [], []
-    for b, r in enumerate(routes):
-        if r == "skip":
+    for b, group_route in enumerate(routes):
+        if group_route == "skip":
             continue
         ok = None if usable is None else usable[b].tolist()
-        for i, j in enumerate(pick_references(ro.correct[b].bool().tolist(), r, rng, ok)):
-            if r == "solve_none" and j is None:
+        for i, j in enumerate(pick_references(ro.correct[b].bool().tolist(), group_route, rng, ok)):
+            if group_route == "solve_none" and j is None:
                 continue  # o_r, the solve-none reference itself: advantage 0, no gradient (note 3)
+            L_i = int(lengths[b, i])  # active tokens: the whole answer, or if solve-none ...
+            if group_route == "solve_none":  # ... its first L_i = min(|o_i|, |o_r|) (note 4);
+                # --eq5-window group (not the paper's): the group's shortest answer, o_r included
+                L_i = int(lengths[b].min()) if window == "group" else min(L_i, int(lengths[b, j]))
             row.append(b * G + i)
             ref.append(-1 if j is None else b * G + j)
-            route.append(r)
-            # active tokens: all of the answer, or its first L_i = min(|o_i|, |o_r|) (note 4);
-            # --eq5-window group (not the paper's): the group's shortest answer, o_r included
-            n = lengths[b * G + i]
-            if r == "solve_none":
-                n = min(lengths[b * G:(b + 1) * G] if window == "group" else (n, lengths[b*G + j]))
-            n_active.append(n)
+            route.append(group_route)
+            n_active.append(L_i)
     row = torch.tensor(row, dtype=torch.long)                                       # (M,)
     mask = ro.mask[row]                                                             # (M, L)
-    return Batch(row, torch.tensor(ref, dtype=torch.long), route, adv.reshape(-1)[row],
-                 torch.tensor(n_active, dtype=torch.long), torch.zeros(mask.shape,
-                 device=mask.device), mask.float())
+    return Batch(row=row, question=row // G, ref=torch.tensor(ref, dtype=torch.long), route=route,
+                 adv=adv.reshape(-1)[row], n_active=torch.tensor(n_active, dtype=torch.long),
+                 kl=torch.zeros(mask.shape, device=mask.device), weights=mask.float())
 
 # Scoring answers: the plain forward behind the update's log-probs and the teacher's KL ------------
 
@@ -398,51 +403,51 @@ def forward_answers(model, prompts, ids, mask):
     return logits[:, p_ids.shape[1] - 1:-1].float()                                # (b, L, V)
 
 
-def answer_logprobs(model, cfg, ro, rows):
-    """log pi_theta(o_t | s_t) of the answers `rows` (b,) under the current weights, with
-    gradient. -> logp (b, L), 0 outside the answers; mask (b, L)"""
-    ids, mask = pack(ro, rows)                                                     # (b, L)
-    groups = (rows // cfg.group_size).tolist()
+def answer_logprobs(model, cfg, ro, mb):
+    """log pi_theta(o_t | s_t) of the answers of the micro-batch mb (a Batch of b rows), with
+    gradient, each after its question's student prompt. -> logp (b, L), 0 outside; mask (b, L)"""
+    ids, mask = pack(ro, mb.row)                                                   # (b, L)
+    questions = mb.question.tolist()
     if cfg.fast:  # speed.answer_logprobs in place of the three lines below
-        return speed.answer_logprobs(model, ro.prompts, groups, ids, mask, cfg.temperature,
+        return speed.answer_logprobs(model, ro.prompts, questions, ids, mask, cfg.temperature,
                                      cfg.grad_checkpoint), mask
-    logits = forward_answers(model, [ro.prompts[g] for g in groups], ids, mask)   # (b, L, V)
+    logits = forward_answers(model, [ro.prompts[b] for b in questions], ids, mask)  # (b, L, V)
     lp = F.log_softmax(logits / cfg.temperature, -1).gather(-1, ids[..., None])   # (b, L, 1)
     return lp.squeeze(-1).masked_fill(~mask, 0.0), mask
 
 # The self-conditioned teacher, in three steps: D per token, f(D) with c, Eq. (5) ------------------
 
 @torch.no_grad()
-def teacher_kl(model, cfg, ro, rows, teacher_prompts, prompt_of, ids, mask):
+def teacher_kl(model, cfg, ro, rows, teacher_prompts, prompt_of, ids, active):
     """D_it = KL(teacher || student) at the n active tokens of the answers `rows` (b,): the teacher
     (the same model, a reference in its prompt, Eq. 4) scores the same tokens. teacher_prompts:
-    the distinct ones, prompt_of (b,) each answer's; ids, mask (b, L) True if active. -> D (n,)"""
+    the distinct ones, prompt_of (b,) each answer's; ids, active (b, L). -> D (n,), row by row"""
     if cfg.fast:  # speed.teacher_kl in place of the five statements below
-        return speed.teacher_kl(model, ro, rows, teacher_prompts, prompt_of, ids, mask,
+        return speed.teacher_kl(model, ro, rows, teacher_prompts, prompt_of, ids, active,
                                 cfg.temperature)
-    student = forward_answers(model, [ro.prompts[g] for g in (rows // cfg.group_size).tolist()],
-                              ids, mask)                                           # (b, L, V)
-    teacher = forward_answers(model, [teacher_prompts[k] for k in prompt_of.tolist()], ids, mask)
+    student = forward_answers(model, [ro.prompts[b] for b in (rows // ro.G).tolist()], ids, active)
+    teacher = forward_answers(model, [teacher_prompts[k] for k in prompt_of.tolist()], ids, active)
     T = cfg.temperature
     log_s, log_t = F.log_softmax(student / T, -1), F.log_softmax(teacher / T, -1)  # (b, L, V)
     # D_t = KL(teacher || student) = sum_v p_t(v) (log p_t(v) - log p_s(v)); kl_div(in, target)
-    return F.kl_div(log_s, log_t, log_target=True, reduction="none").sum(-1)[mask]
+    return F.kl_div(log_s, log_t, log_target=True, reduction="none").sum(-1)[active]
 
 
 @torch.no_grad()
-def teacher_kls(model, tok, cfg, ro, batch, encode=encode_prompt):
-    """Step 1: D on the active tokens of each answer with a reference, by micro-batches of shared
-    references; encode builds the teacher prompt (Eq. 4). -> kl (M, L), 0 where not scored"""
-    G, kl = cfg.group_size, torch.zeros_like(batch.kl)                             # (M, L)
-    scored = (batch.ref >= 0).nonzero().squeeze(1)  # (R,) the rows a teacher scores
-    order = sorted(scored.tolist(), key=lambda m: (int(batch.row[m]) // G, int(batch.ref[m])))
+def measure_kl(model, tok, cfg, ro, batch, encode=encode_prompt):
+    """Step 1: D at the active tokens of every answer with a reference, by micro-batches of
+    answers sorted by question and reference (a teacher prompt is then prefilled once for
+    several answers); encode builds the teacher prompt (Eq. 4). -> kl (M, L), 0 where not scored"""
+    kl = torch.zeros_like(batch.kl)                                                # (M, L)
+    order = sorted(batch.scored.tolist(), key=lambda m: (int(batch.question[m]), int(batch.ref[m])))
     for mb in torch.tensor(order, dtype=torch.long).split(cfg.micro_batch):
-        ids, mask = pack(ro, batch.row[mb], batch.n_active[mb])                    # (b, L)
-        refs, prompt_of = distinct(batch.ref[mb].tolist(), ids.device)
-        # Eq. (4): the teacher prompt holds the reference answer tau = o_j
-        prompts = [encode(tok, ro.problems[j // G]["question"], ro.texts[j]) for j in refs]
-        d = teacher_kl(model, cfg, ro, batch.row[mb], prompts, prompt_of, ids, mask)  # (n,)
-        kl[mb, :mask.shape[1]] = torch.zeros(mask.shape, device=kl.device).masked_scatter(mask, d)
+        ids, active = pack(ro, batch.row[mb], batch.n_active[mb])                  # (b, L)
+        refs, prompt_of = distinct(batch.ref[mb].tolist(), ids.device)  # the rows of its references
+        # Eq. (4): the teacher prompt holds the reference answer tau = o_j of the same question
+        prompts = [encode(tok, ro.problems[j // ro.G]["question"], ro.texts[j]) for j in refs]
+        d = teacher_kl(model, cfg, ro, batch.row[mb], prompts, prompt_of, ids, active)  # (n,)
+        back = torch.zeros(active.shape, device=kl.device).masked_scatter(active, d)  # (b, L)
+        kl[mb, :active.shape[1]] = back  # the n values, row by row, in their (answer, token) places
     return kl
 
 
@@ -457,51 +462,51 @@ def sc_weights(kl, active, c_min=1e-4, q=0.75):
     return torch.where(active, kl / (kl + c), torch.zeros_like(kl)).detach(), c
 
 
-def diversity_advantages(weights, lengths, r, alpha=0.1, eps=1e-6):
-    """Eq. (5) for one solve-none group. weights (G, L) = f(D) of each answer against the
-    reference o_r, zero past L_i = min(|o_i|, |o_r|); lengths (G,).
-    s_i = 1/L_i sum_{t<=L_i} f(D_it);  A_div_i = (s_i - mean(s)) / (std(s) + eps), over i != r
-    (note 5); returns alpha * A_div (G,), with 0 for o_r itself (note 3)."""
-    G = weights.shape[0]
-    others = torch.tensor([i != r for i in range(G)])
-    L_i = torch.minimum(lengths, lengths[r]).clamp_min(1).float()                  # (G,)
-    s = weights.sum(1) / L_i                                                       # (G,)
-    s_o = s[others]                                                                # (G-1,)
-    adv = torch.zeros(G)
-    # Eq. (5): A_div_i = (s_i - mean(s)) / (std(s) + eps), scaled by alpha
-    adv[others] = alpha * (s_o - s_o.mean()) / (s_o.std(unbiased=False) + eps)
-    return adv
+def diversity_advantages(s, alpha=0.1, eps=1e-6):
+    """Eq. (5) for one solve-none group: s (G-1,) the scores s_i of its answers other than o_r
+    (note 5). -> alpha * A_div (G-1,). Unlike Eq. (1) the paper adds eps to the std here."""
+    # Eq. (5): A_div_i = (s_i - mean(s)) / (std(s) + eps) over the G-1 answers, times alpha
+    return alpha * (s - s.mean()) / (s.std(unbiased=False) + eps)
 
 
-def solve_none_advantages(ro, batch, weights, alpha, window="paper"):
-    """Step 3: Eq. (5) in every solve-none group of the batch, from the weights f(D) (M, L).
+def unlikeness(ro, i, r, L):
+    """--eq5-score unlike (not the paper's): 1 - difflib's match ratio of the first L tokens of
+    answers i and o_r (rollout rows): 0 for a copy, 1 for no token in common (docs/eq5.md)."""
+    match = difflib.SequenceMatcher(None, ro.ids[i, :L].tolist(), ro.ids[r, :L].tolist(), False)
+    return 1.0 - match.ratio()
+
+
+def solve_none_advantages(ro, batch, weights, alpha, score="kl"):
+    """Step 3: Eq. (5) in every solve-none group of the batch, from the weights f(D) (M, L),
+    which are 0 past each answer's window L_i (its active tokens).
     -> adv (M,): batch.adv with each solve-none answer's entry replaced by alpha * A_div_i"""
-    G, adv = ro.correct.shape[1], batch.adv.clone()
-    groups = (batch.row // G).tolist()                                             # (M,)
-    for b in sorted({g for g, route in zip(groups, batch.route) if route == "solve_none"}):
-        members = (batch.row // G == b).nonzero().squeeze(1)  # b's answers here: all but o_r
-        places = batch.row[members] % G                       # their indices i in the group
-        r = int(batch.ref[members[0]]) % G                    # o_r's index: all members' reference
-        f = torch.zeros(G, int(ro.lengths.view(-1)[batch.row[members]].max()))    # (G, L_b)
-        f[places] = weights[members, :f.shape[1]].cpu()
-        n = ro.lengths[b]                                                          # (G,)
-        n = n.clamp_max(int(n.min())) if window == "group" else n  # as make_batch's window
-        adv[members] = diversity_advantages(f, n, r, alpha)[places]
+    adv, none = batch.adv.clone(), torch.tensor([r == "solve_none" for r in batch.route])
+    # s_i = 1/L_i sum_{t <= L_i} f(D_it): the mean weight over o_i's window
+    s = weights.sum(1).cpu() / batch.n_active                                      # (M,)
+    if score == "unlike":  # not the paper's: how little of o_i's window o_r shares
+        s = torch.tensor([unlikeness(ro, int(i), int(r), int(L)) if is_none else 0.0
+                          for i, r, L, is_none in zip(batch.row, batch.ref, batch.n_active, none)])
+    for b in batch.question[none].unique().tolist():
+        members = none & (batch.question == b)  # question b's answers here: all but o_r
+        adv[members] = diversity_advantages(s[members], alpha)
     return adv
 
 
 @torch.no_grad()
 def self_condition(model, tok, cfg, ro, batch, encode=encode_prompt):
-    """SC-GRPO's addition: D (teacher_kls), f(D) with c over all of the step's active tokens
-    (sc_weights, note 1), Eq. (5). Fills batch.kl, .weights and .adv; -> metrics."""
-    scored = (batch.ref >= 0).nonzero().squeeze(1)  # (R,) the rows a teacher scores
-    batch.kl = teacher_kls(model, tok, cfg, ro, batch, encode)                     # (M, L)
-    kl = batch.kl[scored]                                                          # (R, L)
-    active = (torch.arange(kl.shape[1]) < batch.n_active[scored, None]).to(kl.device)
-    weights, c = sc_weights(kl, active, cfg.c_min, cfg.kl_quantile)                # (R, L)
-    batch.weights[scored] = weights
-    batch.adv = solve_none_advantages(ro, batch, batch.weights, cfg.alpha_div, cfg.eq5_window)
-    return kl_metrics(kl, active, weights, c)  # D's quantiles, c, mean f(D); warns on NaN D
+    """SC-GRPO's addition to a step: D (measure_kl), f(D) with c over all of the step's active
+    tokens (sc_weights, note 1), Eq. (5) (solve_none_advantages). Nothing to do for a batch
+    without references (GRPO, DAPO). -> (a copy of batch with kl, weights and adv set, metrics)"""
+    scored = batch.scored                                                          # (R,)
+    if not len(scored):
+        return batch, {}
+    kl = measure_kl(model, tok, cfg, ro, batch, encode)                            # (M, L)
+    active = (torch.arange(kl.shape[1]) < batch.n_active[scored, None]).to(kl.device)  # (R, L)
+    w, c = sc_weights(kl[scored], active, cfg.c_min, cfg.kl_quantile)              # (R, L)
+    weights = batch.weights.index_put((scored,), w)  # a copy, f(D) in the scored rows (M, L)
+    adv = solve_none_advantages(ro, batch, weights, cfg.alpha_div, cfg.eq5_score)  # (M,)
+    # D's quantiles, c, mean f(D) (warns on a non-finite D)
+    return replace(batch, kl=kl, weights=weights, adv=adv), kl_metrics(kl[scored], active, w, c)
 
 # The loss: the clipped GRPO objective, each token weighted by f(D) --------------------------------
 
@@ -521,6 +526,15 @@ def policy_loss(logp, old_logp, adv, weights, scale, mask, eps_low, eps_high):
     per_token = torch.where(mask, weights * term * scale, torch.zeros_like(term))
     clipped = ((ratio < 1 - eps_low) | (ratio > 1 + eps_high)) & mask
     return -per_token.sum(), int(clipped.sum())
+
+
+def loss_scale(cfg, ro, batch):
+    """Each answer's normaliser in J (M,): GRPO's 1/G sum_i 1/|o_i|, averaged over the step's B
+    questions, is 1/(B G |o_i|) per token; DAPO's token-level mean is 1/(tokens in the batch)."""
+    lengths = ro.lengths.view(-1)[batch.row].double()                              # (M,) |o_i|
+    if cfg.algo == "dapo":
+        return torch.full(lengths.shape, 1.0 / max(1, int(lengths.sum())))
+    return (1.0 / (len(ro.problems) * ro.G * lengths)).float()
 
 # One training step: sample -> reward -> advantages -> (SC-GRPO) teacher -> clipped update ---------
 
@@ -544,78 +558,59 @@ def sample_groups(model, tok, cfg, train_set, batcher, gen, eos_ids):
 
 
 def update(model, optimizer, cfg, ro, batch):
-    """ppo_epochs AdamW steps on the clipped objective, gradients accumulated over micro-batches.
-    -> (dict of loss, clip_frac, grad_norm, grad_norm_none, update_size; stepped)"""
-    device, G, B = ro.mask.device, cfg.group_size, len(ro.problems)
-    lengths = ro.lengths.view(-1)[batch.row]                                       # (M,)
-    total_tokens = int(lengths.sum())
-    # The objective's normaliser, per token: GRPO 1/G sum_i 1/|o_i|, averaged over the B
-    # groups; DAPO one token-level mean over the whole batch.
-    scale = (torch.full((len(lengths),), 1.0 / max(1, total_tokens)) if cfg.algo == "dapo"
-             else (1.0 / (B * G * lengths.double())).float())                     # (M,)
-    # Solve-none answers first (the gradient norm after them is Eq. (5)'s part), then longest
-    # prompts first (a memory problem shows at once), a group's answers side by side.
-    group, n_none = (batch.row // G).tolist(), batch.route.count("solve_none")     # (M,), 1
-    order = sorted(range(len(group)), key=lambda m: (
-        batch.route[m] != "solve_none", -len(ro.prompts[group[m]]), group[m], -int(lengths[m])))
-    batch, scale = batch[order], scale[order]
-    mbs = [slice(s, min(s + cfg.micro_batch, n_none)) for s in range(0, n_none, cfg.micro_batch)]
-    mbs += [slice(s, s + cfg.micro_batch) for s in range(n_none, len(order), cfg.micro_batch)]
+    """ppo_epochs AdamW steps on -J_SC, the gradient accumulated over micro-batches.
+    -> (loss, clip_frac, grad_norm, grad_norm_none and update_size as a dict; stepped)"""
     eps_high = cfg.epsilon_high or (DAPO_EPS_HIGH if cfg.algo == "dapo" else cfg.epsilon)
-    old = []
-    if cfg.ppo_epochs > 1:  # old log-probs, frozen for all epochs
+    per_answer = loss_scale(cfg, ro, batch)                                        # (M,)
+    # solve-none answers first: the gradient norm after them (grad_norm_none) is Eq. (5)'s part
+    order, mbs, n_none = micro_batches(batch, ro, cfg.micro_batch)
+    batch, per_answer = batch[order], per_answer[order]
+    old = None  # mu > 1: the log-probs of the weights that sampled, frozen for every epoch
+    if cfg.ppo_epochs > 1:
         with torch.no_grad():
-            old = [answer_logprobs(model, cfg, ro, batch[s].row)[0] for s in mbs]
-    loss_sum, clip_sum, grad_norm, norm_none, stepped = 0.0, 0.0, 0.0, 0.0, False
-    before = [p.detach().clone() for p in model.parameters()] if cfg.log_update_size else None
-    model.train(cfg.grad_checkpoint)  # HF checkpoints layers only in train mode; no dropout
-    for _ in range(cfg.ppo_epochs if len(order) else 0):
-        loss_sum, clip_sum = 0.0, 0.0
-        for k, s in enumerate(mbs):
-            mb = batch[s]
-            logp, mask = answer_logprobs(model, cfg, ro, mb.row)                   # (b, L)
-            L = mask.shape[1]
-            # mu = 1: the old log-probs are these, detached, so rho = 1 (no clipping)
-            loss, n_clipped = policy_loss(
-                logp, old_logp=old[k] if old else logp.detach(), adv=mb.adv.to(device),
-                weights=mb.weights[:, :L],  # the batch is as wide as the rollout; this mb is L
-                scale=mask * scale[s, None].to(device), mask=mask, eps_low=cfg.epsilon,
-                eps_high=eps_high)
-            loss.backward()
-            loss_sum, clip_sum = loss_sum + loss.item(), clip_sum + n_clipped
-            # after the last solve-none micro-batch the gradient is Eq. (5)'s alone
-            norm_none = gradient_norm(model) if s.stop == n_none else norm_none
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
-        if not (math.isfinite(loss_sum) and math.isfinite(grad_norm)):
-            break  # a non-finite step is skipped, never applied
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        stepped = True
+            old = [answer_logprobs(model, cfg, ro, batch[sl])[0] for sl in mbs]
+    log, stepped = UpdateLog(model, cfg.log_update_size), False
+    with training(model, cfg.grad_checkpoint):
+        for _ in range(cfg.ppo_epochs if mbs else 0):
+            log.new_epoch()
+            for k, sl in enumerate(mbs):
+                mb = batch[sl]
+                logp, mask = answer_logprobs(model, cfg, ro, mb)                   # (b, L)
+                loss, n_clipped = policy_loss(
+                    logp, old[k] if old else logp.detach(),  # mu = 1: old = logp: rho = 1
+                    adv=mb.adv.to(logp.device), weights=mb.weights[:, :mask.shape[1]],  # mb: L wide
+                    scale=mask * per_answer[sl, None].to(logp.device), mask=mask,
+                    eps_low=cfg.epsilon, eps_high=eps_high)
+                loss.backward()
+                log.micro_batch(loss, n_clipped, last_solve_none=sl.stop == n_none)
+            log.grad_norm = float(clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
+            if not (math.isfinite(log.loss) and math.isfinite(log.grad_norm)):
+                break  # a non-finite step is skipped, never applied
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            stepped = True
     optimizer.zero_grad(set_to_none=True)
-    model.eval()  # the sampler needs eval mode: HF turns the KV cache off under checkpointing
-    return dict(loss=loss_sum, clip_frac=clip_sum / max(1, total_tokens), grad_norm=grad_norm,
-                grad_norm_none=norm_none, update_size=relative_change(model, before)), stepped
+    return log.metrics(tokens=int(ro.lengths.view(-1)[batch.row].sum())), stepped
 
 
 def train_step(model, optimizer, tok, cfg, train_set, batcher, rng, gen, eos_ids):
-    """One update: sample -> reward -> advantages and routes -> (SC-GRPO) teacher KL and
-    weights -> clipped update. -> (metrics, credit-view examples)"""
+    """One update: sample and grade -> advantages and routes -> references -> (SC-GRPO) D, f(D)
+    and Eq. (5) -> clipped update. -> (metrics, credit-view examples)"""
     clock = Phases(next(model.parameters()).device)  # seconds and CUDA memory per phase
     ro, sampled, rounds = sample_groups(model, tok, cfg, train_set, batcher, gen, eos_ids)
     clock.lap("sample")
     adv = group_advantages(ro.reward)                                              # (B, G)
-    routes = route_groups(ro.reward, cfg.algo)
-    batch = make_batch(ro, routes, adv, rng, window=cfg.eq5_window)
-    scored = (batch.ref >= 0).nonzero().squeeze(1).tolist()  # rows with a reference
-    sc_stats = self_condition(model, tok, cfg, ro, batch) if scored else {}
+    routes = route_groups(ro.reward, cfg.algo)                                     # B routes
+    batch = make_batch(ro, routes, adv, rng, window=cfg.eq5_window)  # references, windows L_i
+    batch, sc_stats = self_condition(model, tok, cfg, ro, batch)  # SC-GRPO: kl, weights, Eq. (5)
     clock.lap("teacher")
     eq5_only = bool(batch.route) and set(batch.route) == {"solve_none"}  # no reward gradient
-    trained = batch[[]] if eq5_only and cfg.eq5_only_step == "skip" else batch  # not the paper's
+    trained = batch[:0] if eq5_only and cfg.eq5_only_step == "skip" else batch  # not the paper's
     upd, stepped = update(model, optimizer, cfg, ro, trained)
     clock.lap("update")
     metrics = step_metrics(cfg, sampled, ro, routes, trained, clock, rounds, **upd, **sc_stats,
                            eq5_only=eq5_only, nonfinite=bool(trained.route) and not stepped)
-    return metrics, credit_examples(tok, cfg, ro, batch, scored)
+    return metrics, credit_examples(tok, ro, batch)
 
 # The training loop --------------------------------------------------------------------------------
 
@@ -659,8 +654,8 @@ def avg_and_pass_at_k(correct):
 
 def answer_and_verify(model, tok, problems, cfg, eos_ids, n, temperature, gen):
     """n answers to each problem, graded. -> (texts, correct, lengths), len(problems) * n each"""
-    # questions per sampler call: at most max(eval_batch, a step's answers) rows, as in training
-    q = max(1, min(cfg.eval_batch, max(cfg.eval_batch, cfg.prompts_per_step * cfg.group_size) // n))
+    rows = max(cfg.eval_batch, cfg.prompts_per_step * cfg.group_size)  # a sampler call's rows
+    q = max(1, min(cfg.eval_batch, rows // n))  # questions per call: at most that many rows
     texts, lengths = [], []
     for i in tqdm(range(0, len(problems), q), desc="eval", leave=False, disable=None):
         prompts = [encode_prompt(tok, p["question"]) for p in problems[i:i + q]]
@@ -673,9 +668,8 @@ def answer_and_verify(model, tok, problems, cfg, eos_ids, n, temperature, gen):
 @torch.no_grad()
 def evaluate(model, tok, problems, cfg, eos_ids):
     """Greedy accuracy on `problems`, and Avg@k / Pass@k (k = cfg.eval_k) at the training
-    temperature. Its own generator: evaluating never shifts the training random stream.
-    -> (metrics, per question: the greedy answer's text, correct, length, extracted number,
-    and with k > 0 how many of its k samples were correct)"""
+    temperature, from its own generator (the training stream never moves). -> (metrics, per
+    question: greedy text, correct, length, extracted number; with k, its correct samples)"""
     device, k = next(model.parameters()).device, cfg.eval_k
     gen = torch.Generator(device).manual_seed(cfg.seed + EVAL_SEED_OFFSET)
     texts, greedy, lengths = answer_and_verify(model, tok, problems, cfg, eos_ids, 1, 0.0, gen)
@@ -683,9 +677,9 @@ def evaluate(model, tok, problems, cfg, eos_ids):
                         answer=[extract_answer(t) for t in texts])
     out = {"eval_greedy_acc": sum(greedy) / len(greedy)}
     if k:
-        _, sampled, _ = answer_and_verify(model, tok, problems, cfg, eos_ids, k, cfg.temperature,
-                                          gen)
-        hits = torch.tensor(sampled).view(-1, k)                                   # (Q, k)
+        _, k_correct, _ = answer_and_verify(model, tok, problems, cfg, eos_ids, k,
+                                            cfg.temperature, gen)
+        hits = torch.tensor(k_correct).view(-1, k)                                 # (Q, k)
         out["eval_avg_at_k"], out["eval_pass_at_k"] = avg_and_pass_at_k(hits)
         per_question["k_correct"] = hits.sum(1).tolist()
     return out, per_question

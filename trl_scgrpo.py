@@ -192,8 +192,9 @@ class SCGRPOTrainer(GRPOTrainer):
         usable = self._sc_scored.cpu().view(-1, G) & (mask.sum(1) > 0).view(-1, G)   # (B, G)
         texts = self.processing_class.batch_decode(answers, skip_special_tokens=True)
         reward = torch.where(usable, reward, torch.zeros_like(reward))  # unusable: a wrong answer
-        return S.Rollout([{"question": c, "answer": ""} for c in conversations[::G]], prompts[::G],
-                         ids.to(device), mask.to(device), texts, (reward > 0.5).float(), reward), usable
+        return S.Rollout(problems=[{"question": c, "answer": ""} for c in conversations[::G]],
+                         prompts=prompts[::G], ids=ids.to(device), mask=mask.to(device), texts=texts,
+                         correct=(reward > 0.5).float(), reward=reward), usable
 
     def _generate_and_score_completions(self, inputs):
         out = super()._generate_and_score_completions(inputs)
@@ -209,8 +210,8 @@ class SCGRPOTrainer(GRPOTrainer):
             training = model.training
             model.eval()  # under activation checkpointing HF drops the KV cache in train mode
             model.autocast_dtype = torch.bfloat16 if self.args.bf16 else None
-            stats = S.self_condition(model, self.processing_class, self.sc_cfg, ro, batch,
-                                     encode=self.encode_teacher)
+            batch, stats = S.self_condition(model, self.processing_class, self.sc_cfg, ro, batch,
+                                            encode=self.encode_teacher)
             model.train(training)
         per_token = torch.zeros(ro.ids.shape, device=ro.ids.device)               # (N, L)
         per_token[batch.row] = batch.adv[:, None].to(per_token.device) * batch.weights

@@ -84,3 +84,19 @@ def pick(v, idx):
     if v is None or isinstance(v, list):
         return v if v is None else [v[i] for i in idx]
     return v[torch.tensor(idx, dtype=torch.long, device=v.device)]
+
+
+def micro_batches(batch, ro, size):
+    """The order and the slices in which scgrpo.update runs a Batch: its solve-none answers first,
+    cut where they end, so that the gradient norm after them is Eq. (5)'s part alone
+    (grad_norm_none, which compare.py reads); within each part the longest prompts first (a
+    memory problem shows in the first micro-batch), a question's answers side by side, the
+    longest first. -> (order (M,) of row indices, slices of at most `size` rows, n_none)"""
+    lengths = ro.lengths.view(-1)[batch.row]                                        # (M,)
+    questions = batch.question.tolist()
+    order = sorted(range(len(batch.route)), key=lambda m: (batch.route[m] != "solve_none",
+                   -len(ro.prompts[questions[m]]), questions[m], -int(lengths[m])))
+    n_none = batch.route.count("solve_none")
+    slices = [slice(s, min(s + size, n_none)) for s in range(0, n_none, size)]
+    slices += [slice(s, s + size) for s in range(n_none, len(order), size)]
+    return order, slices, n_none

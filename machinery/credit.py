@@ -5,20 +5,21 @@ each shaded by its weight f(D), with D on hover and the reference the teacher sa
 import html
 
 
-def credit_examples(tok, cfg, ro, batch, routed):
-    """The first routed answer of each of up to 4 groups, for the credit page."""
+def credit_examples(tok, ro, batch):
+    """The first answer a teacher scored in each of up to 4 groups, for the credit page."""
     first = {}
-    for m in routed:
+    for m in batch.scored.tolist():
         if len(first) < 4:
-            first.setdefault(int(batch.row[m]) // cfg.group_size, m)
+            first.setdefault(int(batch.question[m]), m)
     out = []
-    for m in first.values():
-        n, j, L = int(batch.row[m]), int(batch.ref[m]), int(ro.mask[int(batch.row[m])].sum())
-        ids = ro.ids[n, :L].tolist()
-        out.append(dict(question=ro.problems[n // cfg.group_size]["question"], route=batch.route[m],
+    for b, m in first.items():
+        n, j = int(batch.row[m]), int(batch.ref[m])
+        L = int(ro.mask[n].sum())
+        out.append(dict(question=ro.problems[b]["question"], route=batch.route[m],
                         adv=float(batch.adv[m]), reward=float(ro.correct.view(-1)[n]),
                         weights=batch.weights[m, :L].tolist(), kl=batch.kl[m, :L].tolist(),
-                        tokens=[tok.decode([t]) for t in ids], reference=ro.texts[j]))
+                        tokens=[tok.decode([t]) for t in ro.ids[n, :L].tolist()],
+                        reference=ro.texts[j]))
     return out
 
 

@@ -5,7 +5,7 @@ method (a chat template, logits that are the LM head of the final hidden state).
 """
 import importlib.util
 import os
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -46,6 +46,18 @@ def autocast(model):
     fp32 either way), on whatever device the model is; else plain fp32."""
     dtype = getattr(model, "autocast_dtype", None)
     return torch.autocast(model.device.type, dtype=dtype) if dtype else nullcontext()
+
+@contextmanager
+def training(model, grad_checkpoint):
+    """The update's mode: train mode only under activation checkpointing (HF recomputes layers
+    only in train mode; these models have no dropout, so both modes compute the same function),
+    and eval mode after it, which the sampler needs (HF turns the KV cache off under
+    checkpointing in train mode)."""
+    model.train(grad_checkpoint)
+    try:
+        yield
+    finally:
+        model.eval()
 
 # -----------------------------------------------------------------------------
 # Models: the tiny one built in code, GGUF files, the hub

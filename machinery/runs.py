@@ -64,6 +64,31 @@ def relative_change(model, before):
     return (moved / sum(float(b.float().pow(2).sum()) for b in before)) ** 0.5
 
 
+class UpdateLog:
+    """What scgrpo.update reports besides the step it applies: the loss and clipped tokens of its
+    last epoch, the gradient norm that clip_grad_norm_ measured (grad_norm), the norm of the
+    gradient after the solve-none micro-batches alone (grad_norm_none: Eq. (5)'s part), and with
+    --log-update-size ||delta theta|| / ||theta||, for which it keeps a copy of the weights."""
+
+    def __init__(self, model, keep_weights):
+        self.model, self.grad_norm, self.norm_none = model, 0.0, 0.0
+        self.before = [p.detach().clone() for p in model.parameters()] if keep_weights else None
+        self.new_epoch()
+
+    def new_epoch(self):
+        self.loss, self.clipped = 0.0, 0
+
+    def micro_batch(self, loss, n_clipped, last_solve_none):
+        self.loss, self.clipped = self.loss + loss.item(), self.clipped + n_clipped
+        if last_solve_none:  # the gradient so far is the solve-none answers' alone
+            self.norm_none = gradient_norm(self.model)
+
+    def metrics(self, tokens):
+        return dict(loss=self.loss, clip_frac=self.clipped / max(1, tokens),
+                    grad_norm=self.grad_norm, grad_norm_none=self.norm_none,
+                    update_size=relative_change(self.model, self.before))
+
+
 def step_metrics(cfg, sampled, ro, routes, batch, clock, rounds, **more):
     """A training step's line of metrics.jsonl (docs/metrics.md): reward, length and routes of
     everything sampled, the answers updated, the update's and the teacher's numbers (more), the

@@ -50,6 +50,20 @@ def make_addition_confirm(n=1000):
     return addition_rows(random.Random(2606).sample(unused, n))
 
 
+# The verifier's brace matcher: scgrpo.extract_answer reads an answer's last \boxed{...} with it
+def last_boxed(text):
+    """Content of the last \\boxed{...}, with nested braces; None if absent or unclosed."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, i = 0, start + len("\\boxed")
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i + 1:j]
+    return None
+
+
 TASKS = {"arith": make_arith, "addition": make_addition}  # offline; gsm8k comes from the hub
 
 

@@ -109,7 +109,7 @@ def main():
         batch = S.make_batch(ro, routes, S.group_advantages(ro.reward), rng)
         if not bool((batch.ref >= 0).any()):
             continue
-        S.self_condition(model, tok, cfg, ro, batch)
+        batch, _ = S.self_condition(model, tok, cfg, ro, batch)
         none_groups += routes.count("solve_none")
         lengths = ro.lengths.view(-1)
         pairs += [(float(batch.adv[m]), int(lengths[batch.row[m]])) for m, route in enumerate(batch.route)

@@ -193,7 +193,7 @@ def main():
         batch = S.make_batch(ro, routes, S.group_advantages(ro.reward), rng)
         if "solve_none" not in routes:
             continue
-        stats = S.self_condition(model, tok, cfg, ro, batch)
+        batch, stats = S.self_condition(model, tok, cfg, ro, batch)
         c = stats["c"]
         for b in [b for b, route in enumerate(routes) if route == "solve_none"]:
             members = [m for m in range(len(batch.route)) if int(batch.row[m]) // G == b]
