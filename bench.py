@@ -81,39 +81,93 @@ def peak_memory_gib(device):
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
+def spread(values):
+    """-> (median, min, max) of a list of timings."""
+    return statistics.median(values), min(values), max(values)
+
+
 def run_ours(args, impl):
-    """One of our implementations; "scgrpo@bf16" runs SC-GRPO under bf16 autocast."""
+    """One of our implementations: "scgrpo", or "scgrpo@bf16" under bf16. The path users run: the
+    SmolLM2 and hub presets run --fast, so bench does too; --plain times scgrpo.py's plain lines.
+    -> per phase the (median, min, max) over the timed steps, and the tokens each phase handled."""
     S.verify = coin_reward  # the same reward as TRL's below
     algo, _, dtype = impl.partition("@")
     cfg = S.Config(model=args.model, task="gsm8k" if args.data else "addition", data=args.data or "",
-                   algo=algo, prompts_per_step=args.prompts_per_step,
+                   algo=algo, prompts_per_step=args.prompts_per_step, fast=not args.plain,
                    group_size=args.group_size, max_new_tokens=args.max_new_tokens, micro_batch=args.micro_batch,
                    grad_checkpoint=args.grad_checkpoint, lr=1e-6, seed=0, device=args.device)
     device = models.pick_device(cfg.device)
     train_rows, _ = tasks.load_task(cfg)
     model, tok = models.load_model(cfg.model, cfg.seed)
     model.to(device).eval()
-    model.autocast_dtype = torch.bfloat16 if dtype == "bf16" else None
+    models.set_precision(model, dtype == "bf16")  # bf16: as a --dtype bf16 run (autocast, bf16 copy)
     if cfg.grad_checkpoint:
         model.activation_checkpointing_enable({"use_reentrant": False})
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     batcher, rng, gen = tasks.Batcher(len(train_rows), 0), random.Random(0), torch.Generator(device).manual_seed(0)
+    seen, real_rollout = [], S.rollout
+    S.rollout = lambda *a: seen.append(real_rollout(*a)) or seen[-1]  # the step's answers: its token counts
     rows = []
     for step in range(args.steps + 1):
+        seen.clear()
         t0 = time.time()
         m, _ = S.train_step(model, opt, tok, cfg, train_rows, batcher, rng, gen, models.stop_ids(model, tok))
         if device.type == "cuda":
             torch.cuda.synchronize()
         if step > 0:  # step 0 is the warm-up
             rows.append(dict(total=time.time() - t0, generate=m["t_sample"], teacher=m["t_teacher"],
-                             update=m["t_update"], reward=m["reward_mean"], updated=m["answers_updated"]))
-    med = {k: statistics.median(r[k] for r in rows) for k in ("total", "generate", "teacher", "update")}
-    return dict(impl=impl, **med, reward=statistics.mean(r["reward"] for r in rows),
-                updated=min(r["updated"] for r in rows), peak_gib=peak_memory_gib(device))
+                             update=m["t_update"], reward=m["reward_mean"], updated=m["answers_updated"],
+                             tokens=step_tokens(seen)))
+    timings = {k: spread([r[k] for r in rows]) for k in ("total", "generate", "teacher", "update")}
+    tokens = {k: statistics.mean(r["tokens"][k] for r in rows) for k in rows[0]["tokens"]}
+    return dict(impl=impl, path="plain" if args.plain else "fast", **timings, tokens=tokens,
+                reward=statistics.mean(r["reward"] for r in rows), updated=min(r["updated"] for r in rows),
+                peak_gib=peak_memory_gib(device))
 
 
-def run_trl(args, sc=False):
-    """TRL's GRPOTrainer, or with sc=True our SCGRPOTrainer subclass of it (trl_scgrpo.py)."""
+def step_tokens(rollouts):
+    """What one step had to compute, in tokens: its distinct prompts (each prefilled once) and the
+    answers' tokens."""
+    return dict(prompts=sum(len(p) for ro in rollouts for p in ro.prompts),
+                answers=sum(int(ro.mask.sum()) for ro in rollouts))
+
+
+def flop_floors(model_path, tokens, gflops):
+    """The least time each phase could take at `gflops` (GFLOP/s of a large matmul here): 2 FLOPs per
+    parameter and token for the body's forward (attention's own FLOPs left out: small at these
+    lengths), 2 H V for the LM head, 3x forward for forward plus backward. Generation: prompts once,
+    each answer token through body and head. Teacher: the answers through body and head (its prompts
+    left out, so this is a lower bound; the student's side comes from the sampler). Update: prompts
+    and answers forward and backward. -> {phase: seconds}"""
+    from transformers import AutoConfig
+    c = AutoConfig.from_pretrained(model_path) if os.path.isdir(model_path) else None
+    if c is None:  # the packaged GGUF model: read its shape from the loaded model
+        c = models.load_model(model_path, 0)[0].config
+    H, V = c.hidden_size, c.vocab_size
+    per_layer = 2 * H * H + 2 * H * (H // c.num_attention_heads) * c.num_key_value_heads + 3 * H * c.intermediate_size
+    body, head = 2 * per_layer * c.num_hidden_layers, 2 * H * V                # FLOPs per token
+    p, a = tokens["prompts"], tokens["answers"]
+    flops = dict(generate=p * body + a * (body + head), teacher=a * (body + head),
+                 update=3 * ((p + a) * body + a * head))
+    return {k: v / (gflops * 1e9) for k, v in flops.items()}
+
+
+def matmul_gflops(dtype, device, n=2048, h=576, f=1536):
+    """GFLOP/s of an (n, h) x (h, f) matmul in `dtype` on this device with its threads: the rate
+    the floors assume (the body's matmuls have about these shapes for SmolLM2)."""
+    a, b = torch.randn(n, h, dtype=dtype, device=device), torch.randn(h, f, dtype=dtype, device=device)
+    a @ b
+    t0, reps = time.time(), 20
+    for _ in range(reps):
+        a @ b
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return 2 * n * h * f * reps / (time.time() - t0) / 1e9
+
+
+def run_trl(args, sc=False, bf16=False):
+    """TRL's GRPOTrainer, or with sc=True our SCGRPOTrainer subclass of it (trl_scgrpo.py); bf16:
+    TRL's own bf16 mixed precision (bf16=True). Only whole steps are timed: TRL logs no phases."""
     from datasets import Dataset
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -140,7 +194,7 @@ def run_trl(args, sc=False):
         gradient_accumulation_steps=args.prompts_per_step * args.group_size // args.micro_batch,
         gradient_checkpointing=args.grad_checkpoint, max_completion_length=args.max_new_tokens, temperature=1.0, top_p=1.0, top_k=0,
         beta=0.0, num_iterations=1, loss_type="grpo", learning_rate=1e-6, max_steps=args.steps + 1, logging_steps=1,
-        report_to="none", save_strategy="no", use_cpu=device.type == "cpu", bf16=device.type == "cuda",
+        report_to="none", save_strategy="no", use_cpu=device.type == "cpu", bf16=bf16,
         chat_template_kwargs={"enable_thinking": False}, seed=0, shuffle_dataset=False)
     Trainer = GRPOTrainer
     if sc:
@@ -151,8 +205,9 @@ def run_trl(args, sc=False):
     t0 = time.time()
     trainer.train()
     steps = [b - a for a, b in zip([t0] + stamps, stamps)][1:]  # drop the warm-up step
-    return dict(impl="trl-scgrpo" if sc else "trl", total=statistics.median(steps), generate=None, teacher=None, update=None,
-                reward=statistics.mean(rewards_seen), updated=None, peak_gib=peak_memory_gib(device))
+    return dict(impl=("trl-scgrpo" if sc else "trl") + ("@bf16" if bf16 else ""), path="TRL", total=spread(steps),
+                generate=None, teacher=None, update=None, tokens=None, reward=statistics.mean(rewards_seen),
+                updated=None, peak_gib=peak_memory_gib(device))
 
 
 def partial_teacher_pass(model, tok, cfg, ro, own_prompt=False):
@@ -244,7 +299,7 @@ def rescore_cost(args):
     model, tok = models.load_model(args.model, 0)
     model.eval().autocast_dtype = torch.bfloat16
     cfg = S.Config(algo="scgrpo", group_size=args.group_size, max_new_tokens=args.max_new_tokens,
-                   temperature=0.8, micro_batch=args.micro_batch)
+                   temperature=0.8, micro_batch=args.micro_batch, fast=not args.plain)
     rows = tasks.load_task(S.Config(task="gsm8k" if args.data else "addition", data=args.data or ""))[0][:args.prompts_per_step]
     prompts = [S.encode_prompt(tok, r["question"]) for r in rows]
     ids, mask, h, lse = speed.sample(model, prompts, cfg.group_size, cfg.max_new_tokens, 0.8,
@@ -269,7 +324,7 @@ def rescore_cost(args):
 
 
 OURS = ("grpo", "scgrpo", "dapo")
-IMPLS = [*OURS, *(f"{a}@bf16" for a in OURS), "trl", "trl-scgrpo"]
+IMPLS = [*OURS, *(f"{a}@bf16" for a in OURS), "trl", "trl@bf16", "trl-scgrpo"]
 
 
 def die(msg):
@@ -342,6 +397,8 @@ def main():
                     help="check the GPU-only paths (see gpu_check)")
     ap.add_argument("--small", action=argparse.BooleanOptionalAction, default=False,
                     help="--gpu-check at toy sizes (to test it on a CPU)")
+    ap.add_argument("--plain", action=argparse.BooleanOptionalAction, default=False,
+                    help="time scgrpo.py's plain lines (--no-fast) instead of the fast path the real-model presets run")
     ap.add_argument("--rescore-cost", action=argparse.BooleanOptionalAction, default=False,
                     help="bf16: teacher phase with and without re-scoring the student (see rescore_cost)")
     # the same names as scgrpo.py's flags for the same settings
@@ -360,6 +417,7 @@ def main():
     ap.add_argument("--only", default="", help=argparse.SUPPRESS)  # internal: run one impl, print JSON
     args = ap.parse_args()
     check_args(args)
+    args.model_name = args.model  # as given (random:ARCH is replaced by its folder below)
     if args.gpu_check:
         sys.exit(gpu_check(args))
     if args.model.startswith("random:"):  # built once here; the subprocesses read the folder
@@ -370,7 +428,8 @@ def main():
     if args.rescore_cost:
         return rescore_cost(args)
     if args.only:
-        run = run_trl(args, sc=args.only == "trl-scgrpo") if args.only.startswith("trl") else run_ours(args, args.only)
+        run = (run_trl(args, sc=args.only.startswith("trl-scgrpo"), bf16=args.only.endswith("@bf16"))
+               if args.only.startswith("trl") else run_ours(args, args.only))
         print("RESULT " + json.dumps(run))
         return
     results = {}
@@ -382,24 +441,42 @@ def main():
             sys.exit(f"error: {impl} failed:\n{r.stderr[-3000:]}")
         results[impl] = json.loads(line[0][len("RESULT "):])
         print(f"{impl}: {results[impl]}", file=sys.stderr)
-    fmt = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
-    print(f"\n{args.prompts_per_step} prompts x {args.group_size} answers x {args.max_new_tokens} new tokens, micro-batch {args.micro_batch}, "
-          f"grad checkpoint {args.grad_checkpoint}, model {args.model}\n")
-    print("| impl | s/step (median) | generate | teacher + KL | update | peak GiB | reward mean |")
-    print("|---|---|---|---|---|---|---|")
+    report(args, results)
+
+
+def report(args, results):
+    """The benchmark's table: per implementation the median and range of the timed steps, each phase
+    beside its FLOP floor on this machine, and the ratios the issues ask for."""
+    device = models.pick_device(args.device)
+    rate = {"fp32": matmul_gflops(torch.float32, device), "bf16": matmul_gflops(torch.bfloat16, device)}
+    cell = lambda t: "-" if t is None else f"{t[0]:.2f} ({t[1]:.2f}-{t[2]:.2f})"  # noqa: E731
+    print(f"\n{machinery.machine().strip()}, {torch.get_num_threads()} threads; matmul rate here: "
+          f"{rate['fp32']:.0f} GFLOP/s fp32, {rate['bf16']:.0f} bf16")
+    print(f"{args.prompts_per_step} prompts x {args.group_size} answers x {args.max_new_tokens} new tokens, micro-batch "
+          f"{args.micro_batch}, grad checkpoint {args.grad_checkpoint}, model {args.model_name}, {args.steps} timed "
+          "steps\n")
+    print("| impl | path | s/step: median (min-max) | generate (floor) | teacher (floor) | update (floor) | "
+          "peak GiB | reward mean |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in results.values():
-        print(f"| {r['impl']} | {fmt(r['total'])} | {fmt(r['generate'])} | {fmt(r['teacher'])} | {fmt(r['update'])} "
-              f"| {r['peak_gib']:.2f} | {r['reward']:.2f} |")
-    if "grpo" in results and "trl" in results:
-        print(f"\nours/TRL (GRPO step): {results['grpo']['total'] / results['trl']['total']:.3f}")
-    if "trl" in results and "trl-scgrpo" in results:
-        print(f"SCGRPOTrainer / TRL's GRPO step: {results['trl-scgrpo']['total'] / results['trl']['total']:.3f}")
-    if "grpo" in results and "scgrpo" in results:
-        print(f"SC-GRPO/GRPO step: {results['scgrpo']['total'] / results['grpo']['total']:.3f}")
-    for impl in results:
-        if impl.endswith("@bf16") and impl.split("@")[0] in results:
-            base = results[impl.split("@")[0]]
-            print(f"{impl} / fp32 step: {results[impl]['total'] / base['total']:.3f}")
+        floors = (flop_floors(args.model, r["tokens"], rate["bf16" if r["impl"].endswith("@bf16") else "fp32"])
+                  if r["tokens"] else {})
+        floors = {k: v for k, v in floors.items() if k != "teacher" or r["impl"].startswith("scgrpo")}
+        phases = [cell(r[k]) + (f" ({floors[k]:.2f})" if k in floors else "") for k in ("generate", "teacher", "update")]
+        print(f"| {r['impl']} | {r['path']} | {cell(r['total'])} | " + " | ".join(phases)
+              + f" | {r['peak_gib']:.2f} | {r['reward']:.2f} |")
+    med = {k: r["total"][0] for k, r in results.items()}
+    pairs = [("grpo", "trl"), ("scgrpo", "trl"), ("scgrpo", "grpo"), ("trl-scgrpo", "trl"), ("trl@bf16", "trl"),
+             ("scgrpo@bf16", "trl"), ("scgrpo@bf16", "trl@bf16"), ("scgrpo@bf16", "scgrpo"),
+             ("grpo@bf16", "grpo"), ("dapo@bf16", "dapo")]
+    print()
+    for a, b in pairs:
+        if a in med and b in med:
+            print(f"{a} / {b} (median step): {med[a] / med[b]:.3f}")
+    if "scgrpo" in results and "grpo" in results and results["scgrpo"]["tokens"]:
+        f = {k: flop_floors(args.model, results[k]["tokens"], 1.0) for k in ("scgrpo", "grpo")}
+        grpo = f["grpo"]["generate"] + f["grpo"]["update"]  # GRPO runs no teacher
+        print(f"scgrpo / grpo by FLOPs alone: {sum(f['scgrpo'].values()) / grpo:.3f}")
 
 
 if __name__ == "__main__":

@@ -24,12 +24,10 @@ evaluation) and the tables into a folder, for docs/; those files read back as th
 """
 import argparse
 import hashlib
-import importlib.metadata
 import importlib.util
 import json
 import math
 import os
-import platform
 import random
 import re
 import shutil
@@ -38,6 +36,8 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+
+from machinery import machine  # no torch: compare.py starts without it
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # every process a study starts runs on one thread, so --jobs runs share the cores evenly
@@ -158,18 +158,6 @@ def read_text(path):
         return None
     with open(path) as f:
         return f.read()
-
-
-def machine():
-    """One line naming the CPU and torch a run ran on. The same run re-done on another CPU of the
-    same kind can take another path from its second step (its sums differ in the last digits,
-    then the sampled answers), so a study kept across machines says which run ran where."""
-    first_cpu = (read_text("/proc/cpuinfo") or "").split("\n\n")[0]  # Linux; elsewhere: empty
-    info = {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in first_cpu.splitlines() if ":" in line)}
-    bf16 = [f for f in ("avx512_bf16", "amx_bf16") if f in info.get("flags", "").split()]  # the bf16 kernels
-    name = info.get("model name", platform.processor() or platform.machine())
-    return (f"{name} ({' '.join(bf16) or 'no bf16 flags'}), {os.cpu_count()} cores, "
-            f"torch {importlib.metadata.version('torch')}\n")
 
 
 def started_line():

@@ -67,7 +67,7 @@ from machinery.batching import (decode, distinct, join, left_pad, micro_batches,
                                 select_groups, take_rows)
 from machinery.cli import parse_config  # flags -> Config: preset, then explicit flags; checks
 from machinery.credit import credit_examples  # the answers shown on the credit page
-from machinery.models import TINY_TEMPLATE, autocast, training
+from machinery.models import TINY_TEMPLATE, autocast, no_grad_model, training
 from machinery.runs import Phases, Run, UpdateLog, kl_metrics, step_metrics  # the run folder, logs
 from machinery.tasks import Batcher, last_boxed
 # Bookkeeping, named where used: left_pad(token lists) -> ids, mask (B, P) padded on the left so
@@ -118,7 +118,7 @@ class Config:
     max_bad_steps: int = setting(5, "consecutive non-finite steps before the run stops")
     seed: int = setting(0, "seeds python, torch, the sampler, the references and the data order")
     device: str = setting("auto", "auto picks cuda > mps > cpu", ("auto", "cpu", "cuda", "mps"))
-    dtype: str = setting("auto", "bf16 autocast (weights stay fp32), fp32, or auto: bf16 on cuda",
+    dtype: str = setting("auto", "bf16 (fp32 weights, bf16 passes), fp32, or auto: bf16 on cuda",
                          ("auto", "bf16", "fp32"))
     out: str = setting("", "run folder; default runs/<model>-<task>-<algo>-s<seed>-<time>")
     fast: bool = setting(False, "machinery/speed.py in place of 3 plain steps: same math, faster")
@@ -265,9 +265,9 @@ def sample(model, prompts, n, max_new, temperature, eos_ids, pad_id, gen):
 def sample_answers(model, cfg, prompts, n, temperature, eos_ids, pad_id, gen, keep_states=False):
     """sample(), or speed.sample with --fast. -> ids, mask (N, L), and the student's states
     (speed.teacher_kl reuses them: --fast, keep_states, fp32) or None, None."""
-    args = (model, prompts, n, cfg.max_new_tokens, temperature, eos_ids, pad_id, gen)
+    fp32 = getattr(model, "autocast_dtype", None) is None  # bf16: the teacher re-runs the states
+    args = (no_grad_model(model), prompts, n, cfg.max_new_tokens, temperature, eos_ids, pad_id, gen)
     if cfg.fast:  # speed.sample in place of sample(): a KV cache and inverse-CDF draws
-        fp32 = getattr(model, "autocast_dtype", None) is None  # bf16: the teacher re-runs them
         return speed.sample(*args, keep_states=keep_states and fp32)
     return (*sample(*args), None, None)
 
@@ -422,6 +422,7 @@ def teacher_kl(model, cfg, ro, rows, teacher_prompts, prompt_of, ids, active):
     """D_it = KL(teacher || student) at the n active tokens of the answers `rows` (b,): the teacher
     (the same model, a reference in its prompt, Eq. 4) scores the same tokens. teacher_prompts:
     the distinct ones, prompt_of (b,) each answer's; ids, active (b, L). -> D (n,), row by row"""
+    model = no_grad_model(model)  # --dtype bf16: the bf16 weights (no gradient flows here)
     if cfg.fast:  # speed.teacher_kl in place of the five statements below
         return speed.teacher_kl(model, ro, rows, teacher_prompts, prompt_of, ids, active,
                                 cfg.temperature)
@@ -570,7 +571,7 @@ def update(model, optimizer, cfg, ro, batch):
         with torch.no_grad():
             old = [answer_logprobs(model, cfg, ro, batch[sl])[0] for sl in mbs]
     log, stepped = UpdateLog(model, cfg.log_update_size), False
-    with training(model, cfg.grad_checkpoint):
+    with training(model, optimizer, cfg.grad_checkpoint):  # and bf16 autocast if --dtype bf16
         for _ in range(cfg.ppo_epochs if mbs else 0):
             log.new_epoch()
             for k, sl in enumerate(mbs):

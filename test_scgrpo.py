@@ -1760,6 +1760,54 @@ def test_bf16_autocast_run_on_the_cpu(tmp_path):
         assert json.load(f)["dtype"] == "bf16"
 
 
+def test_bf16_update_casts_the_weights_once_per_optimizer_step():
+    """--dtype bf16: training() keeps autocast's bf16 casts of the weights for the whole update (a
+    weight is cast once per optimizer step, not at every forward pass) and each optimizer step
+    drops them. Every forward pass inside it must equal, bit for bit, the same pass run alone on the
+    same weights (the same bf16 casts feed the same kernels); casts kept past a step would give the
+    later passes the first step's weights."""
+    model, tok = models.make_tiny(0)
+    models.set_precision(model, True)
+    prompts = [tok("3+4=")["input_ids"], tok("12+9=")["input_ids"]]
+    ids, mask = torch.tensor([[5, 6], [7, 2]]), torch.ones(2, 2, dtype=torch.bool)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    seen = []
+    with models.training(model, opt, grad_checkpoint=False):
+        for _ in range(3):
+            for _ in range(2):  # two micro-batches a step: the second reuses the first one's casts
+                z = S.forward_answers(model, prompts, ids, mask)                   # (2, 2, V)
+                z.log_softmax(-1).mean().backward()
+            seen.append((z.detach(), {k: v.clone() for k, v in model.state_dict().items()}))
+            opt.step()
+            opt.zero_grad()
+    assert not torch.equal(seen[0][0], seen[-1][0])  # the steps moved the weights
+    for z, weights in seen:
+        alone, _ = models.make_tiny(0)
+        alone.load_state_dict(weights)
+        models.set_precision(alone, True)
+        assert torch.equal(z, S.forward_answers(alone, prompts, ids, mask).detach())
+
+
+def test_bf16_weight_copy_follows_every_optimizer_step():
+    """--dtype bf16: passes without gradient run no_grad_model(model), a bf16 copy of the weights
+    that must equal the fp32 weights rounded to bf16 after every optimizer step (AdamW changes them
+    in place), and that is no part of the model (its checkpoint holds the fp32 weights only)."""
+    model, _ = models.make_tiny(0)
+    keys = set(model.state_dict())
+    models.set_precision(model, True)
+    assert set(model.state_dict()) == keys
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(3):
+        copy = models.no_grad_model(model)
+        assert copy is not model and all(c.dtype == torch.bfloat16 and torch.equal(c, p.detach().bfloat16())
+                                         for c, p in zip(copy.parameters(), model.parameters()))
+        model(torch.tensor([[3, 4, 5]])).logits.square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    models.set_precision(model, False)
+    assert models.no_grad_model(model) is model
+
+
 def test_evaluation_never_samples_more_rows_than_a_training_step(tiny, monkeypatch):
     model, tok = tiny
     calls, real = [], speed.sample

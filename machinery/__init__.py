@@ -12,6 +12,9 @@ arguments), so a reader of the method can skip this folder whole.
   batching.py  token lists <-> padded tensors: left padding, decoding, joining rollouts
   speed.py     the fast equals of scgrpo.py's plain lines (--fast), held equal by the tests
 """
+import importlib.metadata
+import os
+import platform
 import sys
 
 
@@ -19,3 +22,21 @@ def die(msg):
     """Bad input costs one line and exit code 2, never a traceback."""
     print(f"error: {msg}", file=sys.stderr)
     sys.exit(2)
+
+
+def machine():
+    """One line naming the CPU (its bf16 instruction sets) and torch this runs on: the same run
+    re-done on another CPU of the same kind can take another path from its second step, and bf16
+    speed differs between CPU kinds, so studies and benchmarks say where they ran."""
+    try:
+        with open("/proc/cpuinfo") as f:  # Linux; elsewhere: what platform knows
+            first_cpu = f.read().split("\n\n")[0]
+    except OSError:
+        first_cpu = ""
+    info = dict(line.split(":", 1) for line in first_cpu.splitlines() if ":" in line)
+    info = {k.strip(): v.strip() for k, v in info.items()}
+    flags = info.get("flags", "").split()
+    bf16 = [f for f in ("avx512_bf16", "amx_bf16") if f in flags]  # the bf16 kernels
+    name = info.get("model name", platform.processor() or platform.machine())
+    return (f"{name} ({' '.join(bf16) or 'no bf16 flags'}), {os.cpu_count()} cores, "
+            f"torch {importlib.metadata.version('torch')}\n")

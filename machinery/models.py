@@ -5,7 +5,8 @@ method (a chat template, logits that are the LM head of the final hidden state).
 """
 import importlib.util
 import os
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
+from copy import deepcopy
 
 import torch
 
@@ -41,22 +42,61 @@ def cuda_status():
     return f"CUDA {torch.version.cuda}, {torch.cuda.get_device_name()}"
 
 
+def set_precision(model, bf16, weights_copy=True):
+    """--dtype: with bf16 the update's forward passes run under bf16 autocast over the fp32 weights
+    (AdamW keeps fp32 weights and state), and with weights_copy the passes without gradient
+    (sampling, the teacher, evaluation) run on a bf16 copy of the weights (no_grad_model), so no
+    weight is cast again at every decoding step. fp32 (bf16 False): fp32 everywhere."""
+    model.autocast_dtype = torch.bfloat16 if bf16 else None  # read by autocast()
+    object.__setattr__(model, "bf16_copy", None)  # a plain attribute: not a submodule of the model
+    if bf16 and weights_copy:
+        copy = deepcopy(model).to(torch.bfloat16).eval()
+        copy.autocast_dtype, copy.synced = None, None
+        object.__setattr__(model, "bf16_copy", copy)
+
+
+def no_grad_model(model):
+    """The model a pass without gradient runs: the bf16 copy of set_precision, first renewed if the
+    weights changed since it was made (an optimizer step changes them in place, which moves each
+    tensor's version counter); else the model itself."""
+    copy = getattr(model, "bf16_copy", None)
+    if copy is None:
+        return model
+    version = [p._version for p in model.parameters()]
+    if version != copy.synced:
+        with torch.no_grad():
+            for c, p in zip(copy.parameters(), model.parameters()):
+                c.copy_(p)
+        copy.synced = version
+    return copy
+
+
 def autocast(model):
-    """bf16 autocast if the run asked for it (--dtype, set on the model by Run; the weights stay
-    fp32 either way), on whatever device the model is; else plain fp32."""
+    """bf16 autocast if the run asked for it (--dtype, set_precision; the weights stay fp32 either
+    way), on whatever device the model is; else plain fp32. Nested, it reuses the outer one's
+    casts of the weights (torch clears its cast cache when the outermost autocast ends)."""
     dtype = getattr(model, "autocast_dtype", None)
     return torch.autocast(model.device.type, dtype=dtype) if dtype else nullcontext()
 
 @contextmanager
-def training(model, grad_checkpoint):
-    """The update's mode: train mode only under activation checkpointing (HF recomputes layers
-    only in train mode; these models have no dropout, so both modes compute the same function),
-    and eval mode after it, which the sampler needs (HF turns the KV cache off under
-    checkpointing in train mode)."""
+def training(model, optimizer, grad_checkpoint):
+    """The update's mode. Train mode only under activation checkpointing (HF recomputes layers only
+    in train mode; these models have no dropout, so both modes compute the same function), and eval
+    mode after it, which the sampler needs (HF turns the KV cache off under checkpointing). With
+    --dtype bf16, each weight is cast to bf16 once per optimizer step, not at every forward pass:
+    torch keeps an autocast's casts of the weights until the outermost autocast ends, so an outer
+    one is held over the whole update, switched off inside (autocast then acts only where a forward
+    pass turns it on, as without it), and each optimizer step drops the casts of the old weights."""
     model.train(grad_checkpoint)
+    hook = optimizer.register_step_post_hook(lambda *args: torch.clear_autocast_cache())
     try:
-        yield
+        with ExitStack() as held:
+            if getattr(model, "autocast_dtype", None):  # an outer autocast: it keeps the casts
+                held.enter_context(autocast(model))
+                held.enter_context(torch.autocast(model.device.type, enabled=False))
+            yield
     finally:
+        hook.remove()
         model.eval()
 
 # -----------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from tqdm import tqdm
 from machinery import die, tracking
 from machinery.credit import write_credit_html
 from machinery.models import (CPU_MAX_PARAMS, cuda_status, load_model, logits_are_head_of_hidden,
-                              pick_device, stop_ids)
+                              pick_device, set_precision, stop_ids)
 from machinery.tasks import go_offline_unless_hub_reachable, load_task
 
 
@@ -154,7 +154,7 @@ class Run:
             die(f"model {cfg.model!r} computes its logits from more than its LM head (soft-capping "
                 "or a logit scale), which the fast paths leave out; run it with --no-fast")
         self.bf16 = cfg.dtype == "bf16" or (cfg.dtype == "auto" and device.type == "cuda")
-        self.model.autocast_dtype = torch.bfloat16 if self.bf16 else None  # read by autocast()
+        set_precision(self.model, self.bf16)  # bf16: autocast in the update, bf16 weights elsewhere
         if cfg.grad_checkpoint:
             self.model.activation_checkpointing_enable({"use_reentrant": False})
         self.eos_ids = stop_ids(self.model, self.tok)
@@ -175,7 +175,7 @@ class Run:
             json.dump(dataclasses.asdict(cfg), f, indent=2)
         print("config:", json.dumps(dataclasses.asdict(cfg)))
         print(f"model {cfg.model}: {self.n_params / 1e6:.1f}M parameters on {self.device} "
-              f"({'bf16 autocast' if self.bf16 else 'fp32'}; {cuda_status()}) | train "
+              f"({'bf16' if self.bf16 else 'fp32'}; {cuda_status()}) | train "
               f"{len(self.train_set)} | eval {len(self.eval_set)} | out {cfg.out}")
         self.tracker = tracking.make_tracker(cfg.report_to, cfg.out, os.path.basename(cfg.out),
                                              dataclasses.asdict(cfg))

@@ -77,7 +77,7 @@ def sample(model, prompts, n, max_new, temperature, eos_ids, pad_id, gen, keep_s
     # anew (64 x 32 tokens at V = 151,936: 1.39 s, with the buffer 0.77 s).
     logits = torch.empty(N, head.weight.shape[0], device=device)                   # (N, V)
     for t in range(max_new):
-        z = torch.matmul(h, head.weight.T, out=logits[:len(alive)])               # (n_alive, V)
+        z = head_logits(h, head.weight, logits[:len(alive)])                       # (n_alive, V)
         tok, lse_t = sample_tokens(z, temperature, gen)                           # (n_alive,)
         comp_ids[alive, t], resp_mask[alive, t] = tok, True
         if keep_states:
@@ -98,6 +98,14 @@ def sample(model, prompts, n, max_new, temperature, eos_ids, pad_id, gen, keep_s
     if not keep_states:
         return comp_ids[:, :L], resp_mask[:, :L], None, None
     return comp_ids[:, :L], resp_mask[:, :L], hidden[:, :L], lse[:, :L]
+
+
+def head_logits(h, weight, out):
+    """h @ W.T into the fp32 buffer out: in fp32, or with bf16 weights (--dtype bf16's copy) a bf16
+    matmul, its result rounded to bf16 and then widened (the sampler's softmax runs in fp32)."""
+    if weight.dtype == out.dtype:
+        return torch.matmul(h, weight.T, out=out)
+    return out.copy_(h.to(weight.dtype) @ weight.T)
 
 
 def completion_hidden(model, prompts, comp_ids, resp_mask):

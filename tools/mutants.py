@@ -170,6 +170,12 @@ MUTANTS = [
     ("per-question results: every question written as wrong", "scgrpo.py",
      "per_question = dict(text=texts, correct=greedy,", "per_question = dict(text=texts, correct=[0] * len(greedy),",
      ["test_eval_only_scores_the_tiny_model_and_a_saved_run_as_training_did"]),
+    ("--dtype bf16: an optimizer step keeps the casts of the old weights", "machinery/models.py",
+     "register_step_post_hook(lambda *args: torch.clear_autocast_cache())",
+     "register_step_post_hook(lambda *args: None)", ["test_bf16_update_casts_the_weights_once_per_optimizer_step"]),
+    ("--dtype bf16: the bf16 weight copy never follows the optimizer", "machinery/models.py",
+     "    if version != copy.synced:", "    if copy.synced is None:",
+     ["test_bf16_weight_copy_follows_every_optimizer_step"]),
 ]
 
 
