@@ -8,10 +8,10 @@ reweights the tokens: it shows the same model one of its own *verified* answers 
 prompt (the teacher, Eq. 4), re-scores the sampled answer in that context, and measures at every
 position how far the next-token distribution moved, D_t = KL(teacher || student). Tokens where
 seeing a correct solution changes the model's mind are the decisions that mattered; f(D) =
-D / (D + c), with c the P75 of D over the step's scored tokens, turns D into a weight in [0, 1)
-on that token's clipped GRPO term. Groups with no correct answer get a small diversity advantage
-instead, Eq. (5): the teacher holds one of their own wrong answers o_r, and the answers whose
-tokens that changes most (highest mean f(D)) are pushed up, their tokens again weighted by f(D).
+D / (D + c), with c the P75 of D over the step's active tokens (both routes below, pooled), turns
+D into a weight in [0, 1) on that token's clipped GRPO term. Groups with no correct answer get a
+small "diversity" advantage instead, Eq. (5): the teacher holds one of their own wrong answers o_r,
+and an answer goes up or down as its mean f(D) lies above or below its group's (note 15).
 
 Words used below. n_c, a group's number of correct answers, picks its route: partial (2 <= n_c
 < G: tau drawn from the other correct answers), fallback (n_c = 1: plain GRPO, weight 1),
@@ -20,8 +20,8 @@ answer o_i of a solve-none group is scored over its first L_i = min(|o_i|, |o_r|
 the mean f(D) there. An answer's active tokens are those the teacher scores: all, or the first
 L_i. Baselines: --algo grpo (every weight 1), --algo dapo (GRPO with DAPO's upper clip 0.28,
 groups of equal reward dropped and refilled, a token-level loss mean, a length penalty near the
-cap). The tiny default model reads digits only: its prompts lack the system prompt and the guide
-text (the reference follows a ';'); the SmolLM2 preset runs the full teacher prompt of Eq. (4).
+cap). The tiny default model reads digits only: its teacher prompt is just reference;question (no
+system prompt, no guide text); the SmolLM2 preset runs the full teacher prompt of Eq. (4).
 
 Where this file simplifies or interprets the paper (docs/notes.md says why, at length):
  1. c = max(P75(D), c_min) is taken over the active tokens of the whole step, not per micro-batch.
@@ -91,7 +91,7 @@ class Config:
                         ("gsm8k", "arith", "addition"))
     data: str = setting("", "local folder with train.jsonl / test.jsonl in GSM8K's schema")
     algo: str = setting("scgrpo", "the method or a baseline", ("scgrpo", "grpo", "dapo"))
-    steps: int = setting(200, "optimizer updates (x ppo_epochs)")
+    steps: int = setting(200, "training steps (each ppo_epochs optimizer updates)")
     prompts_per_step: int = setting(8, "questions per update; paper: 8")
     group_size: int = setting(8, "G answers per question; paper: 8")
     max_new_tokens: int = setting(512, "answer length cap; the paper allows 12,288 on an 8B model")

@@ -27,6 +27,7 @@ from machinery import batching, cli, credit, models, runs, speed, tasks
 import scgrpo as S
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(1, os.path.join(HERE, "tools"))  # tools/compare.py and bench.py, imported by their tests
 SHARED = os.path.join(HERE, "..", "shared")
 
 
@@ -395,7 +396,7 @@ def needs(*packages, install):
     return pytest.mark.skipif(bool(missing), reason=f"needs {', '.join(missing)}: {install}")
 
 
-needs_trl = needs("trl", install="pip install -r requirements-trl.txt")
+needs_trl = needs("trl", install="pip install -r requirements/trl.txt")
 
 
 def trl_fixed_step(model, tok, out_dir, rewards=None, process=(0, 1), **config):
@@ -1217,6 +1218,16 @@ def test_eval_only_scores_the_tiny_model_and_a_saved_run_as_training_did(tmp_pat
                     "k_correct": per_question["k_correct"]}
     assert sum(line["correct"]) / len(test) == want["eval_greedy_acc"] and len(line["length"]) == len(test)
     assert sum(line["k_correct"]) / (2 * len(test)) == want["eval_avg_at_k"]
+    # the untrained model gets every sum wrong: per-question grades of a scored mix, by hand
+    fixed = (["\\boxed{7}", "\\boxed{8}", "no number"], [True, False, False], [4, 4, 3])
+    real = S.answer_and_verify
+    S.answer_and_verify = lambda *a: fixed
+    try:
+        mix, graded = S.evaluate(model, tok, test[:3], dataclasses.replace(cfg, eval_k=0), [0])
+    finally:
+        S.answer_and_verify = real
+    assert mix == {"eval_greedy_acc": 1 / 3} and graded["correct"] == [True, False, False]
+    assert graded["answer"] == [S.extract_answer(t) for t in fixed[0]] and graded["length"] == [4, 4, 3]
     run_dir = tmp_path / "run"
     S.main(["--steps", "20", "--eval-every", "20", "--eval-k", "2", "--out", str(run_dir)])
     last = read_metrics(str(run_dir))[-1]
@@ -1823,7 +1834,7 @@ def test_evaluation_never_samples_more_rows_than_a_training_step(tiny, monkeypat
 
 def test_gpu_check_script_runs_at_toy_sizes_on_the_cpu():
     """bench.py --gpu-check is what a lent GPU runs; at toy sizes it must pass here too."""
-    r = subprocess.run([sys.executable, os.path.join(HERE, "bench.py"), "--gpu-check", "--small", "--device", "cpu"],
+    r = subprocess.run([sys.executable, os.path.join(HERE, "tools", "bench.py"), "--gpu-check", "--small", "--device", "cpu"],
                        capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT, cwd=HERE)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "0 failed" in r.stdout and r.stdout.count("| PASS |") >= 12
@@ -1831,12 +1842,12 @@ def test_gpu_check_script_runs_at_toy_sizes_on_the_cpu():
 def test_bench_builds_its_own_random_model_of_a_named_shape():
     """bench.py's documented commands need nothing outside the repository: --model random:ARCH
     builds the model (Qwen's 151,936-entry vocabulary) and the questions are the built-in ones."""
-    r = subprocess.run([sys.executable, os.path.join(HERE, "bench.py"), "--model", "random:qwen-tiny", "--impls",
+    r = subprocess.run([sys.executable, os.path.join(HERE, "tools", "bench.py"), "--model", "random:qwen-tiny", "--impls",
                         "grpo", "--steps", "1", "--prompts-per-step", "1", "--group-size", "2", "--micro-batch", "2",
                         "--max-new-tokens", "4"], capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT, cwd=HERE)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "| grpo |" in r.stdout and "1 prompts x 2 answers x 4 new tokens" in r.stdout
-    r = subprocess.run([sys.executable, os.path.join(HERE, "bench.py"), "--model", "random:qwen-9b"],
+    r = subprocess.run([sys.executable, os.path.join(HERE, "tools", "bench.py"), "--model", "random:qwen-9b"],
                        capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT, cwd=HERE)
     assert r.returncode == 2 and "unknown shape" in r.stderr and "Traceback" not in r.stderr
 
@@ -1863,7 +1874,7 @@ def test_compare_study_derives_the_matched_lr_and_counts_routes_from_the_runs(tm
     route shares in the report are the logged group counts, and the report keeps each run's log:
     copied into an empty folder, those logs alone give the same report again, with nothing re-run."""
     def study(runs, report):  # the same three-arm study, its runs in `runs`, its report in `report`
-        r = subprocess.run([sys.executable, os.path.join(HERE, "compare.py"), "--study", "tiny", "--arms", "grpo",
+        r = subprocess.run([sys.executable, os.path.join(HERE, "tools", "compare.py"), "--study", "tiny", "--arms", "grpo",
                             "scgrpo", "scgrpo-lr", "--seeds", "0", "--out", str(runs), "--report", str(report),
                             "--", "--steps", "6", "--eval-every", "3", "--eval-n", "10"],
                            capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT, cwd=HERE, env=ONE_THREAD)
@@ -1984,10 +1995,10 @@ def test_confirmatory_analysis_on_the_exploratory_runs_read_as_committed(tmp_pat
     """compare.py --from-logs reads a committed report's run logs as they are (whatever code made them),
     runs nothing and writes the same tables; the pre-registered analysis, applied to the exploratory
     study's final greedy accuracy, gives its paired differences (+0.10 +0.20 +0.04 -0.01 +0.10 by hand from
-    its per-run table): mean +0.086, 4 of 5 ahead, exact p = 0.125, the paired-t 95% interval from its formula."""
+    its per-run table): mean +0.086, 4 of 5 ahead, exact p = 0.125, the paired-t 95% interval written out by hand."""
     import compare as C
     report = os.path.join(HERE, "docs", "paper_regime")
-    r = subprocess.run([sys.executable, "compare.py", "--study", "smollm2-paper", "--from-logs", report, "--report",
+    r = subprocess.run([sys.executable, os.path.join("tools", "compare.py"), "--study", "smollm2-paper", "--from-logs", report, "--report",
                         str(tmp_path)], cwd=HERE, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT)
     assert r.returncode == 0, r.stderr[-2000:]
     with open(os.path.join(report, "table.md")) as f, open(tmp_path / "table.md") as g:
@@ -1998,7 +2009,8 @@ def test_confirmatory_analysis_on_the_exploratory_runs_read_as_committed(tmp_pat
                for a in ("grpo", "scgrpo") for s in range(5)]
     text = C.confirmatory(results, endpoint="held-out")
     d = [0.10, 0.20, 0.04, -0.01, 0.10]
-    lo, hi = C.t_interval(d)
+    half = 2.7764 * statistics.stdev(d) / math.sqrt(5)  # t(0.975, 4 df) = 2.7764, from a printed t table
+    lo, hi = 0.086 - half, 0.086 + half  # -0.0116, +0.1836
     assert f"| scgrpo - grpo | held-out | +0.0860 | 4 / 1 of 5 | [{lo:+.4f}, {hi:+.4f}] | 0.125 |" in text
     assert text.startswith("**Null**") and "| 3 | 0.510 | 0.500 | -0.010 |" in text
 
@@ -2115,7 +2127,7 @@ def track(report_to, out, records):
     tracker.close()
 
 
-@needs("tensorboard", install="pip install -r requirements-track.txt")
+@needs("tensorboard", install="pip install -r requirements/track.txt")
 def test_tensorboard_tracker_logs_every_number_of_metrics_jsonl_at_its_step(tmp_path):
     """The event files, read back with TensorBoard's own reader, hold every numeric field of every
     metrics.jsonl line at its step (float32, TensorBoard's scalar type), and nothing else."""
@@ -2161,7 +2173,7 @@ def wandb_history(run_dir):
     return history
 
 
-@needs("wandb", install="pip install -r requirements-track.txt")
+@needs("wandb", install="pip install -r requirements/track.txt")
 def test_wandb_tracker_offline_logs_every_number_of_metrics_jsonl_at_its_step(tmp_path, monkeypatch):
     """WANDB_MODE=offline: the run's .wandb file (read back record by record) holds every numeric
     field of every metrics.jsonl line at its step, exactly, and the run's config."""
@@ -2174,7 +2186,7 @@ def test_wandb_tracker_offline_logs_every_number_of_metrics_jsonl_at_its_step(tm
     assert wandb_history(str(tmp_path)) == logged_by_step(records)
 
 
-@needs("trackio", install="pip install -r requirements-track.txt")
+@needs("trackio", install="pip install -r requirements/track.txt")
 def test_trackio_tracker_logs_every_number_of_metrics_jsonl_at_its_step(tmp_path):
     """Trackio's local database (TRACKIO_DIR, read when trackio is imported: so in a subprocess)
     holds every numeric field of every metrics.jsonl line at its step."""
@@ -2205,7 +2217,7 @@ def test_tracker_without_its_package_says_how_to_install_it_in_one_line(report_t
         assert err == (f"error: --report-to {report_to} needs the {report_to} package: "
                        f"pip install {tracking.PINS[report_to]}\n")
     assert os.listdir(tmp_path) == []
-    with open(os.path.join(HERE, "requirements-track.txt")) as f:
+    with open(os.path.join(HERE, "requirements/track.txt")) as f:
         assert tracking.PINS[report_to] in f.read().split()
     tracker = tracking.make_tracker("none", str(tmp_path), "r", {})
     tracker.log({"step": 1, "reward_mean": 0.5}, 1)
@@ -2226,7 +2238,7 @@ def logged_series(folder):
         ([x["step"] for x in m if "eval_greedy_acc" in x], [x["eval_greedy_acc"] for x in m if "eval_greedy_acc" in x])
 
 
-@needs("matplotlib", install="pip install -r requirements-bench.txt")
+@needs("matplotlib", install="pip install -r requirements/bench.txt")
 def test_plot_tool_draws_the_series_of_the_metrics_files(tmp_path):
     """tools/plot.py's series are the metrics files' own: per run, the reward and greedy accuracy
     at their steps; smoothed, a centred running mean (computed naively here); --mean, the mean,
@@ -2269,7 +2281,7 @@ def test_plot_tool_draws_the_series_of_the_metrics_files(tmp_path):
 
 
 def stale_study(out, steps, *flags):
-    return subprocess.run([sys.executable, os.path.join(HERE, "compare.py"), "--study", "tiny", "--arms", "grpo",
+    return subprocess.run([sys.executable, os.path.join(HERE, "tools", "compare.py"), "--study", "tiny", "--arms", "grpo",
                            "--seeds", "0", "--out", str(out), *flags, "--", "--steps", str(steps), "--eval-every",
                            str(steps), "--eval-k", "0", "--eval-n", "10"],
                           capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT, cwd=HERE, env=ONE_THREAD)
@@ -2328,7 +2340,7 @@ def test_a_killed_study_resumes_its_run_to_the_numbers_of_one_never_stopped(tmp_
     last checkpoint on the next call: the steps before the checkpoint are kept as logged (their
     timings too), and the training lines equal those of a study that was never stopped."""
     def study(out):
-        return [sys.executable, "compare.py", "--study", "tiny", "--arms", "grpo", "--seeds", "0", "--out", str(out),
+        return [sys.executable, os.path.join("tools", "compare.py"), "--study", "tiny", "--arms", "grpo", "--seeds", "0", "--out", str(out),
                 "--", "--steps", "30", "--save-every", "5", "--eval-every", "1000", "--eval-k", "2", "--eval-n", "10",
                 "--fast"]  # --fast: the path that resumes the sampler states too; --eval-k: no re-evaluation
     ref, cut = tmp_path / "ref", tmp_path / "cut"
@@ -2411,7 +2423,8 @@ def test_bad_flags_of_compare_bench_and_plot_exit_2_with_one_line(script, argv, 
 
 
 def test_bad_flags_in_a_real_process_give_one_line_and_no_traceback(tmp_path):
-    for script, argv in (("compare.py", ["--jobs", "0"]), ("bench.py", ["--grad-checkpoint", "yes"]),
+    for script, argv in ((os.path.join("tools", "compare.py"), ["--jobs", "0"]),
+                         (os.path.join("tools", "bench.py"), ["--grad-checkpoint", "yes"]),
                          (os.path.join("tools", "plot.py"), [str(tmp_path / "none")])):
         r = subprocess.run([sys.executable, os.path.join(HERE, script), *argv], capture_output=True, text=True,
                            timeout=SUBPROCESS_TIMEOUT, cwd=tmp_path)

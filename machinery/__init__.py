@@ -12,6 +12,7 @@ arguments), so a reader of the method can skip this folder whole.
   batching.py  token lists <-> padded tensors: left padding, decoding, joining rollouts
   speed.py     the fast equals of scgrpo.py's plain lines (--fast), held equal by the tests
 """
+import argparse
 import importlib.metadata
 import os
 import platform
@@ -22,6 +23,21 @@ def die(msg):
     """Bad input costs one line and exit code 2, never a traceback."""
     print(f"error: {msg}", file=sys.stderr)
     sys.exit(2)
+
+
+def at_least(low):
+    """An argparse type for the tools' flags: an integer >= low, named in the error (argparse adds
+    the flag and the value)."""
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value} is below {low}; use {low} or more")
+        return value
+    parse.__name__ = f"integer >= {low}"
+    return parse
 
 
 def machine():

@@ -9,7 +9,7 @@ Weights & Biases or Trackio (`--report-to`). The training loop calls three thing
 
 `none` (the default) returns a tracker that does nothing and imports nothing. A chosen package is
 imported only then; if it is missing, one line with a pinned install command and exit code 2
-(requirements-track.txt pins all three).
+(requirements/track.txt pins all three).
 
 What each one writes, and where:
 - tensorboard: event files in <out_dir>/tensorboard (`tensorboard --logdir <out_dir>`);
@@ -33,7 +33,7 @@ import os
 from machinery import die
 
 CHOICES = ("none", "tensorboard", "wandb", "trackio")
-# the versions the tests ran with (requirements-track.txt holds the same pins)
+# the versions the tests ran with (requirements/track.txt holds the same pins)
 PINS = {"tensorboard": "tensorboard==2.21.0", "wandb": "wandb==0.31.0",
         "trackio": "trackio==0.43.0"}
 

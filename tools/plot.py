@@ -16,7 +16,7 @@ compare.py's `<arm>-s<seed>` read as arm and seed.
 
 The per-step reward is a mean over one step's few answers and jumps; --smooth N draws the mean of
 the N logged steps centred on each step over the raw values (faint). Needs matplotlib
-(requirements-bench.txt).
+(requirements/bench.txt).
 """
 import argparse
 import json
@@ -24,7 +24,7 @@ import os
 import re
 import sys
 
-MATPLOTLIB = "matplotlib==3.11.2"   # as requirements-bench.txt pins it
+MATPLOTLIB = "matplotlib==3.11.2"   # as requirements/bench.txt pins it
 # config fields that never make two runs different settings
 IGNORED = ("out", "seed", "report_to", "log_every", "save_every", "eval_only")
 

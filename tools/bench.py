@@ -2,13 +2,13 @@ r"""
 Speed and memory of one training step: our GRPO, our SC-GRPO, and TRL's GRPOTrainer, with the
 same model, prompts, group size, answer length, temperature and reward.
 
-    python bench.py --model random:qwen-tiny                    # TRL too: needs requirements-bench.txt
-    python bench.py --model random:qwen2.5-0.5b --prompts-per-step 1 --group-size 8 --max-new-tokens 128 \
+    python tools/bench.py --model random:qwen-tiny                    # TRL too: needs requirements/bench.txt
+    python tools/bench.py --model random:qwen2.5-0.5b --prompts-per-step 1 --group-size 8 --max-new-tokens 128 \
         --impls scgrpo
-    python bench.py --model SmolLM2-135M --data data/addition --prompts-per-step 4 --max-new-tokens 64 \
+    python tools/bench.py --model SmolLM2-135M --data data/addition --prompts-per-step 4 --max-new-tokens 64 \
         --micro-batch 16 --impls scgrpo scgrpo@bf16                                 # bf16 vs fp32 on a CPU
-    python bench.py --gpu-check                  # on a lent GPU: the CUDA-only paths, pass/fail, < 5 min
-    python bench.py --gpu-check --small --device cpu    # the same script at toy sizes, on a CPU (a test)
+    python tools/bench.py --gpu-check                  # on a lent GPU: the CUDA-only paths, pass/fail, < 5 min
+    python tools/bench.py --gpu-check --small --device cpu    # the same script at toy sizes, on a CPU (a test)
 
 The models are random, so the GSM8K verifier would give every answer 0 and no update would run.
 The benchmark therefore grades with a coin flip fixed by the answer's text (crc32 % 2) for all
@@ -36,8 +36,9 @@ import zlib
 
 import torch
 
-import machinery
-from machinery import batching, models, runs, speed, tasks
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
+import machinery  # noqa: E402
+from machinery import at_least, batching, models, runs, speed, tasks  # noqa: E402
 import scgrpo as S
 
 
@@ -349,20 +350,6 @@ class Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFo
         if isinstance(action.default, list):  # as typed on the command line, not a Python list
             return f"{action.help} (default: {' '.join(action.default)})"
         return action.help if action.default is None else super()._get_help_string(action)
-
-
-def at_least(low):
-    """An argparse type: an integer >= low, named in the error (argparse adds the flag and value)."""
-    def parse(text):
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"{value} is below {low}; use {low} or more")
-        return value
-    parse.__name__ = f"integer >= {low}"
-    return parse
 
 
 def check_args(args):

@@ -5,10 +5,10 @@ accuracy, Avg@8, Pass@8, steps to a target accuracy; the share of groups per rou
 median kl_p75, how far the weights moved) and, with --plot, a picture of training reward and
 held-out greedy accuracy against step (tools/plot.py, which draws any run's curves too).
 
-    python compare.py                               # tiny / arith, 5 seeds: 8-12 minutes
-    python compare.py --study smollm2 --plot runs/compare-smollm2/curve.png   # real model, 3 seeds: 49 min
-    python compare.py --study smollm2-ablation --plot docs/ablation/curve.png --report docs/ablation
-    python compare.py --seeds 0 1 --jobs 1 -- --steps 500     # flags after -- go to scgrpo.py
+    python tools/compare.py                               # tiny / arith, 5 seeds: 8-12 minutes
+    python tools/compare.py --study smollm2 --plot runs/compare-smollm2/curve.png   # real model, 3 seeds: 49 min
+    python tools/compare.py --study smollm2-ablation --plot docs/ablation/curve.png --report docs/ablation
+    python tools/compare.py --seeds 0 1 --jobs 1 -- --steps 500     # flags after -- go to scgrpo.py
 
 Each run is scgrpo.py in its own process with one thread, `--jobs` at a time, so the numbers
 repeat for the same seeds on the same machine. Runs land in <out>/<arm>-s<seed>; a finished
@@ -37,11 +37,15 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from machinery import machine  # no torch: compare.py starts without it
+HERE = os.path.dirname(os.path.abspath(__file__))  # tools/
+ROOT = os.path.dirname(HERE)  # the repository: scgrpo.py and machinery/
+sys.path.insert(0, ROOT)
+from machinery import at_least, machine  # noqa: E402 (no torch: compare.py starts without it)
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-# every process a study starts runs on one thread, so --jobs runs share the cores evenly
-ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+# every process a study starts runs on one thread, so --jobs runs share the cores evenly; the
+# evaluations it starts import this file (tools/) and machinery/ (the repository)
+ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+              "PYTHONPATH": os.pathsep.join([HERE, ROOT])}
 
 # Each study: the scgrpo.py flags every run shares, the seeds, and when a run has "got there":
 # `reach` is an absolute greedy accuracy, `gain` a rise over the run's own step-0 accuracy.
@@ -121,10 +125,10 @@ def code_bytes():
     """The code a run executes: scgrpo.py and every file of machinery/, in a fixed order (the
     method moved part of its machinery there, which changes what a run computes just as well)."""
     names = ["scgrpo.py"] + sorted(os.path.join("machinery", n) for n in
-                                   os.listdir(os.path.join(HERE, "machinery")) if n.endswith(".py"))
+                                   os.listdir(os.path.join(ROOT, "machinery")) if n.endswith(".py"))
     out = b""
     for name in names:
-        with open(os.path.join(HERE, name), "rb") as f:
+        with open(os.path.join(ROOT, name), "rb") as f:
             out += name.encode() + b"\0" + f.read()
     return out
 
@@ -163,8 +167,8 @@ def read_text(path):
 def started_line():
     """When and from which commit a scgrpo.py process of a study started, then where (machine()):
     a pre-registered study shows that every run started after its plan was committed."""
-    git = subprocess.run(["git", "-C", HERE, "rev-parse", "HEAD"], capture_output=True, text=True)
-    dirty = subprocess.run(["git", "-C", HERE, "status", "--porcelain", "--untracked-files=no"],
+    git = subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True, text=True)
+    dirty = subprocess.run(["git", "-C", ROOT, "status", "--porcelain", "--untracked-files=no"],
                            capture_output=True, text=True).stdout.strip()
     commit = (git.stdout.strip() or "unknown") + (" (with uncommitted changes)" if dirty else "")
     return f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} commit {commit}: {machine()}"
@@ -236,7 +240,7 @@ def run_one(arm, seed, out_root, flags, rerun_stale=False, confirm=False, from_l
         with open(os.path.join(out, "started.txt"), "w") as f:
             f.write(fingerprint)
     if how != "read":  # a resumed run keeps the flags its checkpoint saved
-        cmd = [sys.executable, os.path.join(HERE, "scgrpo.py"),
+        cmd = [sys.executable, os.path.join(ROOT, "scgrpo.py"),
                *(["--resume", out] if how == "resume" else ["--algo", algo, "--seed", str(seed), "--out", out, *flags])]
         with open(os.path.join(out, "machine.txt"), "a") as f:  # a resumed run adds a line
             f.write(started_line())
@@ -322,7 +326,7 @@ def evaluations(folder, name, fingerprint, flags, k, confirm=False):
     if saved.pop("fingerprint", None) == fingerprint and ("greedy_confirm" in saved or not confirm):
         return saved
     code = f"import compare; compare.evaluate_model({folder!r}, {name!r}, {flags!r}, {k}, {confirm})"
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ONE_THREAD, cwd=HERE)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ONE_THREAD, cwd=ROOT)
     if r.returncode != 0:
         sys.exit(f"error: evaluating {flags} failed:\n{r.stderr[-2000:]}")
     res = json.loads(r.stdout.splitlines()[-1])
@@ -652,7 +656,7 @@ def cached_run(code, path, fingerprint, what):
         if saved.pop("fingerprint", None) == fingerprint:
             return saved
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ONE_THREAD,
-                       cwd=HERE)
+                       cwd=ROOT)
     if r.returncode != 0:
         sys.exit(f"error: {what} failed:\n{r.stderr[-2000:]}")
     res = json.loads(r.stdout.splitlines()[-1])
@@ -683,7 +687,7 @@ def plot(results, arms, path, title):
     """Training reward and held-out greedy accuracy against step, drawn by tools/plot.py: per arm
     the mean over its seeds, min..max shaded; the reward as a running mean of about 4% of the
     steps (odd; 1, the raw values, up to 49 steps)."""
-    sys.path.insert(0, os.path.join(HERE, "tools"))
+    sys.path.insert(0, HERE)
     import plot as curve_tool  # tools/plot.py (this function is named plot too)
     runs = [r for a in arms for r in results if r["arm"] == a]
     n_seeds = {a: sum(r["arm"] == a for r in runs) for a in arms}
@@ -704,7 +708,7 @@ def report(folder, results, arms, study, base, first):
                 shutil.copy(src, dst)
     with open(os.path.join(folder, "base_eval.json"), "w") as f:
         json.dump(base, f)
-    cmd = " ".join(["python compare.py", *sys.argv[1:]])
+    cmd = " ".join(["python tools/compare.py", *sys.argv[1:]])
     with open(os.path.join(folder, "table.md"), "w") as f:
         f.write(f"Written by `{cmd}`; each run's logs are in run_logs/ beside this file.\n\n"
                 f"{table(results, arms, study['reach'], study['gain'])}\n\n{paired(results, arms)}\n\n"
@@ -729,20 +733,6 @@ class Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFo
         return action.help if action.default in (None, "") else super()._get_help_string(action)
 
 
-def count(low):
-    """An argparse type: an integer >= low (argparse names the flag and the value in the error)."""
-    def parse(text):
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"{value} is below {low}; use {low} or more")
-        return value
-    parse.__name__ = f"integer >= {low}"
-    return parse
-
-
 def parse_args(argv):
     """compare.py's own flags, and the scgrpo.py flags after `--` (kept apart here, so that a stray
     word before `--` is an error and not a flag for every run)."""
@@ -753,10 +743,10 @@ def parse_args(argv):
     ap.add_argument("--arms", nargs="+", choices=sorted(ARMS), default=None, metavar="ARM",
                     help=f"arms to compare, of {', '.join(sorted(ARMS))} (default: the study's, else grpo dapo "
                     "scgrpo)")
-    ap.add_argument("--seeds", nargs="+", type=count(0), default=None, metavar="SEED",
+    ap.add_argument("--seeds", nargs="+", type=at_least(0), default=None, metavar="SEED",
                     help="seeds, one run each (default: the study's: " +
                     "; ".join(f"{k} {' '.join(map(str, v['seeds']))}" for k, v in STUDIES.items()) + ")")
-    ap.add_argument("--jobs", type=count(1), default=2, metavar="N", help="runs at a time (one thread each)")
+    ap.add_argument("--jobs", type=at_least(1), default=2, metavar="N", help="runs at a time (one thread each)")
     ap.add_argument("--out", default="", help="folder for the runs (default: runs/compare-<study>)")
     ap.add_argument("--rerun-stale", action=argparse.BooleanOptionalAction, default=False,
                     help="replace a run folder of other code or flags instead of keeping it and running into a "
@@ -776,7 +766,7 @@ def parse_args(argv):
     if args.plot and os.path.splitext(args.plot)[1].lower() not in (".png", ".pdf", ".svg"):
         die(f"--plot {args.plot}: name a .png, .pdf or .svg file")
     if args.plot and importlib.util.find_spec("matplotlib") is None:  # found before hours of runs, not after
-        die("--plot needs matplotlib: pip install -r requirements-bench.txt")
+        die("--plot needs matplotlib: pip install -r requirements/bench.txt")
     for flag, path in (("--out", args.out), ("--report", args.report)):
         if path and os.path.exists(path) and not os.path.isdir(path):
             die(f"{flag} {path} is a file; name a folder")
