@@ -62,7 +62,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 from machinery import die
 from machinery.cli import ArgParser, check_config
-from machinery.models import TINY_TEMPLATE, load_model, logits_are_head_of_hidden
+from machinery.models import TINY_TEMPLATE, load_model, logits_are_head_of_hidden, set_precision
 from machinery.tasks import load_task
 import scgrpo as S
 
@@ -209,7 +209,7 @@ class SCGRPOTrainer(GRPOTrainer):
         if bool((batch.ref >= 0).any()):
             training = model.training
             model.eval()  # under activation checkpointing HF drops the KV cache in train mode
-            model.autocast_dtype = torch.bfloat16 if self.args.bf16 else None
+            set_precision(model, self.args.bf16, weights_copy=False)  # TRL's bf16: autocast
             batch, stats = S.self_condition(model, self.processing_class, self.sc_cfg, ro, batch,
                                             encode=self.encode_teacher)
             model.train(training)

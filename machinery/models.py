@@ -88,15 +88,15 @@ def training(model, optimizer, grad_checkpoint):
     one is held over the whole update, switched off inside (autocast then acts only where a forward
     pass turns it on, as without it), and each optimizer step drops the casts of the old weights."""
     model.train(grad_checkpoint)
-    hook = optimizer.register_step_post_hook(lambda *args: torch.clear_autocast_cache())
     try:
         with ExitStack() as held:
             if getattr(model, "autocast_dtype", None):  # an outer autocast: it keeps the casts
                 held.enter_context(autocast(model))
                 held.enter_context(torch.autocast(model.device.type, enabled=False))
+                hook = optimizer.register_step_post_hook(lambda *args: torch.clear_autocast_cache())
+                held.callback(hook.remove)
             yield
     finally:
-        hook.remove()
         model.eval()
 
 # -----------------------------------------------------------------------------

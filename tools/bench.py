@@ -122,6 +122,7 @@ def run_ours(args, impl):
     timings = {k: spread([r[k] for r in rows]) for k in ("total", "generate", "teacher", "update")}
     tokens = {k: statistics.mean(r["tokens"][k] for r in rows) for k in rows[0]["tokens"]}
     return dict(impl=impl, path="plain" if args.plain else "fast", **timings, tokens=tokens,
+                per_token=flops_per_token(model.config),
                 reward=statistics.mean(r["reward"] for r in rows), updated=min(r["updated"] for r in rows),
                 peak_gib=peak_memory_gib(device))
 
@@ -133,20 +134,21 @@ def step_tokens(rollouts):
                 answers=sum(int(ro.mask.sum()) for ro in rollouts))
 
 
-def flop_floors(model_path, tokens, gflops):
-    """The least time each phase could take at `gflops` (GFLOP/s of a large matmul here): 2 FLOPs per
-    parameter and token for the body's forward (attention's own FLOPs left out: small at these
-    lengths), 2 H V for the LM head, 3x forward for forward plus backward. Generation: prompts once,
-    each answer token through body and head. Teacher: the answers through body and head (its prompts
-    left out, so this is a lower bound; the student's side comes from the sampler). Update: prompts
-    and answers forward and backward. -> {phase: seconds}"""
-    from transformers import AutoConfig
-    c = AutoConfig.from_pretrained(model_path) if os.path.isdir(model_path) else None
-    if c is None:  # the packaged GGUF model: read its shape from the loaded model
-        c = models.load_model(model_path, 0)[0].config
+def flops_per_token(c):
+    """FLOPs per token of a model of config c: 2 per parameter for the body's forward (attention's
+    own FLOPs left out: small at these lengths), 2 H V for the LM head. -> (body, head)"""
     H, V = c.hidden_size, c.vocab_size
     per_layer = 2 * H * H + 2 * H * (H // c.num_attention_heads) * c.num_key_value_heads + 3 * H * c.intermediate_size
-    body, head = 2 * per_layer * c.num_hidden_layers, 2 * H * V                # FLOPs per token
+    return 2 * per_layer * c.num_hidden_layers, 2 * H * V
+
+
+def flop_floors(per_token, tokens, gflops):
+    """The least time each phase could take at `gflops` (GFLOP/s of a large matmul here), from the
+    FLOPs per token of body and head (flops_per_token), 3x forward for forward plus backward.
+    Generation: prompts once, each answer token through body and head. Teacher: the answers through
+    body and head (its prompts left out, so this is a lower bound; the student's side comes from
+    the sampler). Update: prompts and answers forward and backward. -> {phase: seconds}"""
+    body, head = per_token
     p, a = tokens["prompts"], tokens["answers"]
     flops = dict(generate=p * body + a * (body + head), teacher=a * (body + head),
                  update=3 * ((p + a) * body + a * head))
@@ -263,7 +265,7 @@ def gpu_check(args):
             except RuntimeError as e:  # a kernel that refuses masked or fp32 input is not used by HF
                 report.append((f"{label}", "kernel refused: " + str(e).splitlines()[0][:60], None))
     model.set_attn_implementation("sdpa")
-    model.autocast_dtype = torch.bfloat16 if device.type == "cuda" else None
+    models.set_precision(model, device.type == "cuda")  # as Run sets up a --dtype auto run
     cfg = S.Config(**{**S.PRESETS["hub"], "max_new_tokens": 16 if args.small else 512, "lr": 1e-6})
     if cfg.grad_checkpoint:
         model.activation_checkpointing_enable({"use_reentrant": False})
@@ -446,7 +448,7 @@ def report(args, results):
           "peak GiB | reward mean |")
     print("|---|---|---|---|---|---|---|---|")
     for r in results.values():
-        floors = (flop_floors(args.model, r["tokens"], rate["bf16" if r["impl"].endswith("@bf16") else "fp32"])
+        floors = (flop_floors(r["per_token"], r["tokens"], rate["bf16" if r["impl"].endswith("@bf16") else "fp32"])
                   if r["tokens"] else {})
         floors = {k: v for k, v in floors.items() if k != "teacher" or r["impl"].startswith("scgrpo")}
         phases = [cell(r[k]) + (f" ({floors[k]:.2f})" if k in floors else "") for k in ("generate", "teacher", "update")]
@@ -461,7 +463,7 @@ def report(args, results):
         if a in med and b in med:
             print(f"{a} / {b} (median step): {med[a] / med[b]:.3f}")
     if "scgrpo" in results and "grpo" in results and results["scgrpo"]["tokens"]:
-        f = {k: flop_floors(args.model, results[k]["tokens"], 1.0) for k in ("scgrpo", "grpo")}
+        f = {k: flop_floors(results[k]["per_token"], results[k]["tokens"], 1.0) for k in ("scgrpo", "grpo")}
         grpo = f["grpo"]["generate"] + f["grpo"]["update"]  # GRPO runs no teacher
         print(f"scgrpo / grpo by FLOPs alone: {sum(f['scgrpo'].values()) / grpo:.3f}")
 
