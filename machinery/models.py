@@ -3,6 +3,7 @@ Models: the device and precision a run uses, the built-in tiny model, GGUF files
 SmolLM2-135M-Instruct) and hub models, loaded in fp32, and the checks that a model fits the
 method (a chat template, logits that are the LM head of the final hidden state).
 """
+import hashlib
 import importlib.util
 import os
 from contextlib import ExitStack, contextmanager, nullcontext
@@ -155,13 +156,55 @@ def gguf_path(name):
     return name
 
 
+def gguf_cache(gguf):
+    """The folder that keeps a GGUF file's weights dequantised to fp32 (a model folder, loaded in
+    about a second where the GGUF file takes half a minute), named by the file's SHA-256; under
+    $SCGRPO_CACHE, else ~/.cache/scgrpo. SCGRPO_CACHE=off: None, no cache."""
+    root = os.environ.get("SCGRPO_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "scgrpo")
+    if root == "off":
+        return None
+    digest = hashlib.sha256()
+    with open(gguf, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            digest.update(block)
+    stem = os.path.basename(gguf).removesuffix(".gguf")
+    return os.path.join(root, f"{stem}-{digest.hexdigest()[:16]}")
+
+
+def save_gguf_cache(model, tok, folder):
+    """Write the dequantised model to folder whole or not at all: into a temporary folder beside
+    it, renamed into place (two runs starting at once: the first rename wins, the other's copy is
+    dropped). A cache that cannot be written costs a note, never the run."""
+    import shutil
+    import tempfile
+    try:
+        os.makedirs(os.path.dirname(folder), exist_ok=True)
+        tmp = tempfile.mkdtemp(dir=os.path.dirname(folder), prefix=".partial-")
+        tok.save_pretrained(tmp)
+        model.save_pretrained(tmp)
+        try:
+            os.rename(tmp, folder)
+            print(f"note: the dequantised weights are cached in {folder} (delete it to free the "
+                  "space; SCGRPO_CACHE=off turns the cache off)")
+        except OSError:  # another run's copy is in place
+            shutil.rmtree(tmp, ignore_errors=True)
+    except OSError as e:
+        print(f"note: could not cache the dequantised weights in {folder} ({e.strerror}); "
+              "each start dequantises the GGUF file again")
+
+
 def load_model(name, seed):
     """-> (model in fp32, tokenizer). fp32 master weights: AdamW steps of 1e-6 vanish in bf16.
-    A GGUF file (4-bit SmolLM2 for the offline CPU run) is dequantised to fp32 on load."""
+    A GGUF file (4-bit SmolLM2 for the offline CPU run) is dequantised to fp32 the first time and
+    its fp32 weights cached as a model folder (gguf_cache) that later starts load."""
     if name == "tiny":
         return make_tiny(seed)
     from transformers import AutoModelForCausalLM, AutoTokenizer
     path, gguf, kw = MODEL_ALIASES.get(name, name), gguf_path(name), {}
+    cache = gguf and gguf_cache(gguf)
+    if cache and os.path.isdir(cache):
+        path, gguf = cache, None
     if gguf:
         path, kw = os.path.dirname(os.path.abspath(gguf)), {"gguf_file": os.path.basename(gguf)}
         if not all(importlib.util.find_spec(p) for p in ("gguf", "accelerate")):
@@ -181,6 +224,8 @@ def load_model(name, seed):
     if getattr(model.get_output_embeddings(), "bias", None) is not None:
         die(f"model {name!r} has a bias in its LM head, which the sampler and KL leave out; "
             "use a Qwen-style model")
+    if gguf and cache:
+        save_gguf_cache(model, tok, cache)
     return model, tok
 
 

@@ -176,6 +176,17 @@ MUTANTS = [
     ("--dtype bf16: the bf16 weight copy never follows the optimizer", "machinery/models.py",
      "    if version != copy.synced:", "    if copy.synced is None:",
      ["test_bf16_weight_copy_follows_every_optimizer_step"]),
+    ("the sampler's preallocated KV cache writes each token one place early", "machinery/speed.py",
+     "self.k_buf[:self.rows, :, self.used:t] = key_states",
+     "self.k_buf[:self.rows, :, self.used - 1:t - 1] = key_states",
+     ["test_preallocated_kv_cache_layer_equals_hf_dynamic_layer", "test_greedy_sampler_matches_generate"]),
+    ("the sampler's KV cache keeps the first rows, not the unfinished ones", "machinery/speed.py",
+     "self.k_buf[:len(indices), :, :self.used] = self.keys[indices]",
+     "self.k_buf[:len(indices), :, :self.used] = self.keys[:len(indices)]",
+     ["test_preallocated_kv_cache_layer_equals_hf_dynamic_layer"]),
+    ("the GGUF cache keeps bf16-rounded weights", "machinery/models.py",
+     "        model.save_pretrained(tmp)", "        deepcopy(model).bfloat16().save_pretrained(tmp)",
+     ["test_gguf_cache_holds_the_weights_the_gguf_file_gives"]),
 ]
 
 
