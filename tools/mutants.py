@@ -187,6 +187,9 @@ MUTANTS = [
     ("the GGUF cache keeps bf16-rounded weights", "machinery/models.py",
      "        model.save_pretrained(tmp)", "        deepcopy(model).bfloat16().save_pretrained(tmp)",
      ["test_gguf_cache_holds_the_weights_the_gguf_file_gives"]),
+    ("--dtype bf16's teacher: the student's log-normaliser at T = 1", "machinery/speed.py",
+     "        lse_s = head_lse(h_s, head, temperature)", "        lse_s = head_lse(h_s, head, 1.0)",
+     ["test_bf16_d_and_logprobs_follow_the_fp32_plain_lines_within_bf16_rounding"]),
 ]
 
 
