@@ -296,16 +296,17 @@ def gpu_check(args):
 
 
 def rescore_cost(args):
-    """Under bf16 autocast the teacher pass re-scores the student instead of reading the
-    sampler's states (scgrpo.py, note 2). The teacher phase both ways on one batch: 4 questions
-    x 8 answers, 3 of them taken as correct (partial-solve groups), the median of 3 timings."""
+    """Under --dtype bf16 the teacher pass re-scores the student instead of reading the
+    sampler's states (scgrpo.py, note 2). The teacher phase both ways on one batch, on the path a
+    --dtype bf16 run takes (the bf16 weight copy; the fast path unless --plain): 4 questions x 8
+    answers, 3 of them taken as correct (partial-solve groups), the median of 3 timings."""
     model, tok = models.load_model(args.model, 0)
-    model.eval().autocast_dtype = torch.bfloat16
+    models.set_precision(model.eval(), True)
     cfg = S.Config(algo="scgrpo", group_size=args.group_size, max_new_tokens=args.max_new_tokens,
                    temperature=0.8, micro_batch=args.micro_batch, fast=not args.plain)
     rows = tasks.load_task(S.Config(task="gsm8k" if args.data else "addition", data=args.data or ""))[0][:args.prompts_per_step]
     prompts = [S.encode_prompt(tok, r["question"]) for r in rows]
-    ids, mask, h, lse = speed.sample(model, prompts, cfg.group_size, cfg.max_new_tokens, 0.8,
+    ids, mask, h, lse = speed.sample(models.no_grad_model(model), prompts, cfg.group_size, cfg.max_new_tokens, 0.8,
                                  models.stop_ids(model, tok), tok.pad_token_id or 0,
                                  torch.Generator().manual_seed(0), keep_states=True)
     reward = torch.tensor([[1.0] * 3 + [0.0] * (cfg.group_size - 3)] * len(rows))
@@ -318,7 +319,8 @@ def rescore_cost(args):
             partial_teacher_pass(model, tok, cfg, ro)
             times[name].append(time.time() - t0)
     med = {k: statistics.median(v) for k, v in times.items()}
-    print(f"teacher phase under bf16, {args.model}, {len(rows)} x {cfg.group_size} answers, "
+    print(f"teacher phase under --dtype bf16 ({'plain lines' if args.plain else 'fast path'}), "
+          f"{args.model}, {len(rows)} x {cfg.group_size} answers, "
           f"{int(mask.sum())} tokens: " + ", ".join(f"{k} {v:.2f} s" for k, v in med.items()))
     print(f"re-scored / sampler states: {med['re-scored'] / med['sampler states']:.2f}")
     for name, ro in rollouts.items():  # the KL floor: the teacher given the student's own prompt
