@@ -54,7 +54,8 @@ def main():
     args = ap.parse_args()
     model, tok = models.load_model(args.model, 0)
     cfg = S.Config(model=args.model, fast=True, algo="scgrpo", group_size=args.group_size,
-                   max_new_tokens=args.max_new_tokens, temperature=0.8, micro_batch=args.micro_batch)
+                   max_new_tokens=args.max_new_tokens, temperature=0.8,
+                   micro_batch=args.micro_batch)
     problems = tasks.TASKS["addition"]()[0][:args.prompts_per_step]
     eos = models.stop_ids(model.eval(), tok)
     lines = [f"# profile of one step, {args.model}, {len(problems)} x {cfg.group_size} answers, "
