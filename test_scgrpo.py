@@ -980,7 +980,7 @@ def test_preallocated_kv_cache_layer_equals_hf_dynamic_layer():
     """speed.Preallocated (room kept, tokens written in place) against transformers' DynamicLayer
     (grown by torch.cat) under the sampler's calls: a prompt cache of 2 rows repeated 3 times,
     decode steps of one token, finished rows dropped twice. Keys and values equal bit for bit."""
-    from transformers.cache_utils import DynamicLayer
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
     g = torch.Generator().manual_seed(0)
     kv = lambda b, n: (torch.randn(b, 2, n, 4, generator=g), torch.randn(b, 2, n, 4, generator=g))
     ref = DynamicLayer()
@@ -996,6 +996,9 @@ def test_preallocated_kv_cache_layer_equals_hf_dynamic_layer():
         want, got = ref.update(k, v), fast.update(k, v)
         assert all(torch.equal(a, b) for a, b in zip(want, got))
         assert fast.get_seq_length() == ref.get_seq_length() == 6 + step
+    window = DynamicSlidingWindowLayer(sliding_window=4)  # another kind keeps its own rules
+    window.update(*kv(2, 3))
+    assert speed.preallocated(window, 3, room=7) is window and window.keys.shape[0] == 6
 
 
 def test_plain_and_fast_samplers_agree(tiny):

@@ -65,7 +65,7 @@ def sample(model, prompts, n, max_new, temperature, eos_ids, pad_id, gen, keep_s
     with autocast(model):
         out = base(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True)
     cache = out.cache
-    cache.layers = [Preallocated(layer, n, max_new) for layer in cache.layers]  # n copies, room
+    cache.layers = [preallocated(layer, n, max_new) for layer in cache.layers]  # n copies, room
     h = out.last_hidden_state[:, -1].float().repeat_interleave(n, 0)               # (N, H)
     attn = attn.repeat_interleave(n, 0)                                            # (N, P)
     pos = pos[:, -1:].repeat_interleave(n, 0)                                      # (N, 1)
@@ -138,6 +138,16 @@ class Preallocated(DynamicLayer):
         self.rows = len(indices)
         self.keys = self.k_buf[:self.rows, :, :self.used]
         self.values = self.v_buf[:self.rows, :, :self.used]
+
+
+def preallocated(layer, repeats, room):
+    """A layer of the sampler's cache, its rows repeated: a plain DynamicLayer becomes a
+    Preallocated one; any other kind (a sliding window, ...) keeps its own rules and grows as
+    transformers grows it."""
+    if type(layer) is not DynamicLayer:
+        layer.batch_repeat_interleave(repeats)
+        return layer
+    return Preallocated(layer, repeats, room)
 
 
 def head_logits(h, weight, out):

@@ -64,10 +64,10 @@ def main():
     sample = lambda: S.rollout(model, tok, cfg, problems, torch.Generator().manual_seed(0), eos)
     ro = profiled("sampling (speed.Preallocated KV cache)", sample, lines)
     if args.kv_cat:
-        real = speed.Preallocated
-        speed.Preallocated = lambda layer, n, room: (layer.batch_repeat_interleave(n), layer)[1]
+        real = speed.preallocated
+        speed.preallocated = lambda layer, n, room: (layer.batch_repeat_interleave(n), layer)[1]
         profiled("sampling (transformers' DynamicLayer, torch.cat)", sample, lines)
-        speed.Preallocated = real
+        speed.preallocated = real
     G = cfg.group_size  # three answers of each group taken as correct: every group has a teacher
     ro.correct = ro.reward = torch.tensor([[1.0] * 3 + [0.0] * (G - 3)] * len(problems))
     batch = S.make_batch(ro, ["partial"] * len(problems), S.group_advantages(ro.reward),
