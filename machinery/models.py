@@ -217,6 +217,9 @@ def load_model(name, seed):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw)
     except Exception as e:
         why = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+        if path == cache:
+            die(f"could not load the cached weights of {name!r} in {cache} ({why}); delete that "
+                "folder and start again (it is made anew from the GGUF file)")
         die(f"could not load model {name!r} ({why}); offline, use --model tiny, "
             "--model SmolLM2-135M or --model /path/to/a/local/folder")
     if getattr(model, "hf_quantizer", None) is not None:  # weights are dense fp32 already;
