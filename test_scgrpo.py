@@ -2113,6 +2113,26 @@ def test_confirmatory_statistics_against_tables_and_hand_computed_cases():
     assert (lo, hi) == pytest.approx((0.086 - half, 0.086 + half), abs=1e-5)
 
 
+def test_bf16_check_reads_the_confirmatory_sums_paired_by_seed_against_a_hand_computed_case():
+    """compare.bf16_check (docs/speed.md's learning check): differences bf16 - fp32 on the 1,000 sums
+    -0.02, +0.02, -0.04 (mean -0.0133, sample std 0.030551, t(0.975, 2) = 4.302653 from a printed
+    table: half-width 0.075893) pass the -0.03 margin; a seed whose bf16 run lacks its score is left
+    out, not paired; -0.05, -0.03, -0.04 (mean -0.04) fail. The study's two arms differ by --dtype only."""
+    import compare as C
+    run = lambda arm, seed, acc: dict(arm=arm, seed=seed, confirm=acc)
+    results = [run("scgrpo-fp32", s, a) for s, a in ((200, 0.5), (201, 0.6), (202, 0.7), (203, 0.4))]
+    results += [run("scgrpo-bf16", s, a) for s, a in ((200, 0.48), (201, 0.62), (202, 0.66), (203, None))]
+    text = C.bf16_check(results)
+    assert "| 202 | 0.700 | 0.660 | -0.040 |" in text and "| 203 |" not in text
+    assert "-0.0133, paired-t 95% interval [-0.0892, +0.0626] over 3 seeds: bf16 passes" in text
+    for r, a in zip(results[4:7], (0.45, 0.57, 0.66)):
+        r["confirm"] = a
+    assert "-0.0400" in C.bf16_check(results) and "bf16 fails" in C.bf16_check(results)
+    study = C.STUDIES["smollm2-bf16"]
+    assert [C.ARMS[a] for a in study["arms"]] == [("scgrpo", ["--dtype", "fp32"]), ("scgrpo", ["--dtype", "bf16"])]
+    assert "--dtype" not in study["flags"] and study["confirm_set"] and not study.get("confirm")
+
+
 def test_confirmatory_analysis_on_the_exploratory_runs_read_as_committed(tmp_path):
     """compare.py --from-logs reads a committed report's run logs as they are (whatever code made them),
     runs nothing and writes the same tables; the pre-registered analysis, applied to the exploratory

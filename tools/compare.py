@@ -83,6 +83,12 @@ STUDIES = {
                                    "--dtype", "fp32"],
                             seeds=list(range(100, 112)), reach=None, gain=0.10, confirm=True,
                             arms=["grpo", "scgrpo", "scgrpo-nodiv"]),
+    # Whether --dtype auto may pick bf16 on a CPU, its learning half (docs/speed.md, fixed before the
+    # runs): the SmolLM2 preset's SC-GRPO in fp32 and in bf16 on 3 new paired seeds, each final model
+    # scored greedily on the 1,000 confirmatory sums (`confirm_set`); bf16_check reads them.
+    "smollm2-bf16": dict(flags=["--model", "SmolLM2-135M", "--task", "addition", "--eval-k", "0"],
+                         seeds=[200, 201, 202], reach=None, gain=0.10, confirm_set=True,
+                         base="scgrpo-fp32", check="bf16", arms=["scgrpo-fp32", "scgrpo-bf16"]),
 }
 
 # An arm is an algorithm plus the scgrpo.py flags that change it; each algorithm is an arm of its own.
@@ -98,6 +104,8 @@ ARMS = {
     "scgrpo-skip": ("scgrpo", ["--eq5-only-step", "skip"]),
     # not the paper's: Eq. (5) scores every answer of a group over the group's shortest answer
     "scgrpo-window": ("scgrpo", ["--eq5-window", "group"]),
+    # the bf16 check's two precisions, named (the CPU's default, auto, is fp32 today)
+    "scgrpo-fp32": ("scgrpo", ["--dtype", "fp32"]), "scgrpo-bf16": ("scgrpo", ["--dtype", "bf16"]),
 }
 
 
@@ -559,6 +567,23 @@ def mcnemar_p(b, c):
 PRIMARY, SECONDARY = ("scgrpo", "grpo"), [("scgrpo-nodiv", "grpo"), ("scgrpo", "scgrpo-nodiv")]
 
 
+def bf16_check(results, base="scgrpo-fp32", arm="scgrpo-bf16", margin=-0.03):
+    """The learning half of docs/speed.md's bf16 check, in Markdown: each seed's greedy accuracy on
+    the 1,000 confirmatory sums in both precisions, the mean paired difference arm - base with its
+    95% paired-t interval (reported, not tested: 3 seeds), and whether the mean is margin or better."""
+    acc = {(r["arm"], r["seed"]): r["confirm"] for r in results if r["confirm"] is not None}
+    seeds = sorted(s for (a, s) in acc if a == arm and (base, s) in acc)
+    d = [acc[arm, s] - acc[base, s] for s in seeds]
+    rows = [f"| seed | {base} | {arm} | {arm} - {base} |", "|---|---|---|---|"]
+    rows += [f"| {s} | {acc[base, s]:.3f} | {acc[arm, s]:.3f} | {x:+.3f} |" for s, x in zip(seeds, d)]
+    if len(d) < 2:
+        return "\n".join(rows + ["", f"{len(d)} paired seeds: too few for the check."])
+    (lo, hi), mean = t_interval(d), statistics.mean(d)
+    return "\n".join(rows + ["", f"Mean paired difference {mean:+.4f}, paired-t 95% interval [{lo:+.4f}, "
+                              f"{hi:+.4f}] over {len(d)} seeds: bf16 {'passes' if mean >= margin else 'fails'} "
+                              f"the learning check (a mean of {margin:+.2f} or better)."])
+
+
 def confirmatory(results, endpoint="confirm", alpha=0.05):
     """The pre-registered analysis (docs/confirm/PLAN.md) of a study's results, in Markdown: the primary
     test, the secondary tests with Holm's correction, the secondary endpoints (descriptive), the per-question
@@ -711,12 +736,15 @@ def report(folder, results, arms, study, base, first):
     cmd = " ".join(["python tools/compare.py", *sys.argv[1:]])
     with open(os.path.join(folder, "table.md"), "w") as f:
         f.write(f"Written by `{cmd}`; each run's logs are in run_logs/ beside this file.\n\n"
-                f"{table(results, arms, study['reach'], study['gain'])}\n\n{paired(results, arms)}\n\n"
+                f"{table(results, arms, study['reach'], study['gain'])}\n\n"
+                f"{paired(results, arms, study.get('base', 'grpo'))}\n\n"
                 f"{mechanics(results, arms)}\n\n{diagnostics(results, arms)}\n\n"
                 f"Each run (greedy accuracy on the held-out questions at each evaluated step):\n\n"
                 f"{per_run(results)}\n\n"
                 + (f"## The pre-registered analysis (docs/confirm/PLAN.md)\n\n{confirmatory(results)}\n\n"
                    if study.get("confirm") else "") +
+                (f"## The bf16 check (docs/speed.md)\n\n{bf16_check(results)}\n\n"
+                 if study.get("check") == "bf16" else "") +
                 f"Mean +- std over seeds (population std). The model {first['arm']} seed {first['seed']} started "
                 "from, greedy: " + ", ".join(f"{k} {v:.3f}" for k, v in base.items()) + "\n")
 
@@ -791,6 +819,7 @@ def main():
     # seed by seed, so a study stopped part way leaves whole paired seeds behind
     jobs = [(a, s) for s in seeds for a in arms]
     flags = study["flags"] + args.extra
+    confirm_set = study.get("confirm", False) or study.get("confirm_set", False)  # the 1,000 sums
     if "scgrpo-lr" in arms and "scgrpo" not in arms:
         die("the scgrpo-lr arm's learning rate is measured from the scgrpo arm's runs; add scgrpo to --arms")
     t0, results = time.time(), []
@@ -800,7 +829,7 @@ def main():
                      for a in arms if isinstance(ARMS[a][1], str) == derived}
         with ThreadPoolExecutor(args.jobs) as pool:
             results += list(pool.map(lambda j: run_one(*j, out, flags + arm_flags[j[0]], args.rerun_stale,
-                                                       study.get("confirm", False), bool(args.from_logs)),
+                                                       confirm_set, bool(args.from_logs)),
                                      [j for j in jobs if j[0] in arm_flags]))
     results.sort(key=lambda r: (arms.index(r["arm"]), seeds.index(r["seed"])))
     if args.report:
@@ -811,15 +840,17 @@ def main():
         if args.from_logs and not os.path.isfile(os.path.join(first["out"], "base_eval.json")):
             die(f"--from-logs: {first['out']} lacks base_eval.json, the evaluation of the model the study started from")
         res = evaluations(first["out"], "base_eval", first["fingerprint"],
-                          [*first["flags"], "--seed", str(first["seed"])], 0, study.get("confirm", False))
+                          [*first["flags"], "--seed", str(first["seed"])], 0, confirm_set)
         base = {k: v for k, v in res.items() if k.startswith(("eval_greedy", "greedy_"))}
         report(args.report, results, arms, study, base, first)
     print(table(results, arms, study["reach"], study["gain"]))
-    print(paired(results, arms))
+    print(paired(results, arms, study.get("base", "grpo")))
     print(mechanics(results, arms))
     print(diagnostics(results, arms))
     if study.get("confirm"):
         print(confirmatory(results))
+    if study.get("check") == "bf16":
+        print(bf16_check(results))
     print(f"{len(jobs)} runs, {args.jobs} at a time: {(time.time() - t0) / 60:.1f} minutes (runs read back cost none)",
           file=sys.stderr)
     if args.plot:
