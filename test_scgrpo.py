@@ -976,7 +976,7 @@ def test_greedy_sampler_matches_generate(tiny):
         assert c[:n].tolist() == out[row, :n].tolist()
 
 
-def test_preallocated_kv_cache_layer_equals_hf_dynamic_layer():
+def test_preallocated_kv_cache_layer_equals_hf_dynamic_layer(tiny, monkeypatch):
     """speed.Preallocated (room kept, tokens written in place) against transformers' DynamicLayer
     (grown by torch.cat) under the sampler's calls: a prompt cache of 2 rows repeated 3 times,
     decode steps of one token, finished rows dropped twice. Keys and values equal bit for bit."""
@@ -996,9 +996,16 @@ def test_preallocated_kv_cache_layer_equals_hf_dynamic_layer():
         want, got = ref.update(k, v), fast.update(k, v)
         assert all(torch.equal(a, b) for a, b in zip(want, got))
         assert fast.get_seq_length() == ref.get_seq_length() == 6 + step
+    with pytest.raises(ValueError, match="holds 12 tokens"):  # past its room: an error, not a
+        fast.update(*kv(2, 1))                                  # write that silently does nothing
     window = DynamicSlidingWindowLayer(sliding_window=4)  # another kind keeps its own rules
     window.update(*kv(2, 3))
     assert speed.preallocated(window, 3, room=7) is window and window.keys.shape[0] == 6
+    made, real = [], speed.preallocated  # and the sampler does run on Preallocated layers
+    monkeypatch.setattr(speed, "preallocated", lambda *a: made.append(real(*a)) or made[-1])
+    model, tok = tiny
+    speed.sample(model, [tok("3+4=")["input_ids"]], 2, 3, 1.0, [0], 0, torch.Generator().manual_seed(0))
+    assert len(made) == model.config.num_hidden_layers and all(type(x) is speed.Preallocated for x in made)
 
 
 def test_plain_and_fast_samplers_agree(tiny):
@@ -1578,8 +1585,9 @@ def test_gguf_cache_holds_the_weights_the_gguf_file_gives(smollm2_folder, tmp_pa
 def test_smollm2_runs_each_algorithm_and_saves_a_model_that_reloads(algo, tmp_path, request):
     """A few real steps on a few questions: finite metrics, (SC-GRPO) a credit page of real
     tokens, and a final model that from_pretrained reloads with its tokenizer. SC-GRPO starts
-    from the GGUF file by its name (the offline quick start), the others from the same weights
-    saved as a folder (the hub preset, with the SmolLM2 preset's sampling temperature)."""
+    from the packaged name as the offline quick start does (its weights through the GGUF cache,
+    which test_gguf_cache_holds_the_weights_the_gguf_file_gives compares with the file), the others
+    from the cache's folder by its path (the hub preset, with the SmolLM2 preset's temperature)."""
     out = str(tmp_path / "run")
     model_flags = (["--model", "SmolLM2-135M"] if algo == "scgrpo" else
                    ["--model", request.getfixturevalue("smollm2_folder"), "--temperature", "0.8", "--eval-k", "0"])
@@ -1805,6 +1813,7 @@ def test_bf16_d_and_logprobs_follow_the_fp32_plain_lines_within_bf16_rounding(re
     active = torch.arange(fp32.kl.shape[1]) < fp32.n_active[scored, None]
     d16, d32 = (b.kl[scored][active].clamp_min(0).sqrt() for b in (bf16, fp32))
     within = (d16 - d32).abs() <= K_s.sqrt() + K_t.sqrt()
+    assert (d16 - d32).abs().max() > 0  # the teacher did run on the bf16 weights
     assert active.sum() >= (51 if task == "addition" else 8) and within.float().mean() >= 0.8, within.float().mean()
     model.autocast_dtype = torch.bfloat16  # the update's own pass: autocast over the fp32 weights
     try:
@@ -2117,7 +2126,8 @@ def test_bf16_check_reads_the_confirmatory_sums_paired_by_seed_against_a_hand_co
     """compare.bf16_check (docs/speed.md's learning check): differences bf16 - fp32 on the 1,000 sums
     -0.02, +0.02, -0.04 (mean -0.0133, sample std 0.030551, t(0.975, 2) = 4.302653 from a printed
     table: half-width 0.075893) pass the -0.03 margin; a seed whose bf16 run lacks its score is left
-    out, not paired; -0.05, -0.03, -0.04 (mean -0.04) fail. The study's two arms differ by --dtype only."""
+    out, not paired; -0.05, -0.03, -0.04 (mean -0.04) fail; a mean of exactly -0.03 (in floats, a hair
+    below) passes. The study's two arms differ by --dtype only."""
     import compare as C
     run = lambda arm, seed, acc: dict(arm=arm, seed=seed, confirm=acc)
     results = [run("scgrpo-fp32", s, a) for s, a in ((200, 0.5), (201, 0.6), (202, 0.7), (203, 0.4))]
@@ -2128,6 +2138,9 @@ def test_bf16_check_reads_the_confirmatory_sums_paired_by_seed_against_a_hand_co
     for r, a in zip(results[4:7], (0.45, 0.57, 0.66)):
         r["confirm"] = a
     assert "-0.0400" in C.bf16_check(results) and "bf16 fails" in C.bf16_check(results)
+    for r, a in zip(results[:3] + results[4:7], (0.53, 0.63, 0.73, 0.50, 0.61, 0.69)):  # -0.03, -0.02,
+        r["confirm"] = a                                            # -0.04: the margin, in floats below it
+    assert "-0.0300" in C.bf16_check(results) and "bf16 passes" in C.bf16_check(results)
     study = C.STUDIES["smollm2-bf16"]
     assert [C.ARMS[a] for a in study["arms"]] == [("scgrpo", ["--dtype", "fp32"]), ("scgrpo", ["--dtype", "bf16"])]
     assert "--dtype" not in study["flags"] and study["confirm_set"] and not study.get("confirm")

@@ -157,9 +157,11 @@ def gguf_path(name):
 
 
 def gguf_cache(gguf):
-    """The folder that keeps a GGUF file's weights dequantised to fp32 (a model folder, loaded in
-    about a second where the GGUF file takes half a minute), named by the file's SHA-256; under
-    $SCGRPO_CACHE, else ~/.cache/scgrpo. SCGRPO_CACHE=off: None, no cache."""
+    """The folder that keeps a GGUF file's weights dequantised to fp32 (a model folder: seconds to
+    load, where the GGUF file takes half a minute), named by the file's SHA-256 and the version of
+    transformers that dequantised it; under $SCGRPO_CACHE, else $XDG_CACHE_HOME/scgrpo or
+    ~/.cache/scgrpo. SCGRPO_CACHE=off: None, no cache."""
+    import transformers
     root = os.environ.get("SCGRPO_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "scgrpo")
     if root == "off":
@@ -169,29 +171,35 @@ def gguf_cache(gguf):
         for block in iter(lambda: f.read(1 << 24), b""):
             digest.update(block)
     stem = os.path.basename(gguf).removesuffix(".gguf")
-    return os.path.join(root, f"{stem}-{digest.hexdigest()[:16]}")
+    return os.path.join(root, f"{stem}-{digest.hexdigest()[:16]}-tf{transformers.__version__}")
 
 
 def save_gguf_cache(model, tok, folder):
     """Write the dequantised model to folder whole or not at all: into a temporary folder beside
     it, renamed into place (two runs starting at once: the first rename wins, the other's copy is
-    dropped). A cache that cannot be written costs a note, never the run."""
+    dropped). A cache that cannot be written (a full disk, no permission) costs a note, never the
+    run, and leaves no partial copy behind."""
     import shutil
     import tempfile
+    tmp = None
     try:
         os.makedirs(os.path.dirname(folder), exist_ok=True)
         tmp = tempfile.mkdtemp(dir=os.path.dirname(folder), prefix=".partial-")
+        os.chmod(tmp, 0o755)  # mkdtemp's 0700 would shut out the other users of a shared cache
         tok.save_pretrained(tmp)
         model.save_pretrained(tmp)
-        try:
+        if not os.path.isdir(folder):  # else another run's copy is in place: keep that one
             os.rename(tmp, folder)
+            tmp = None
             print(f"note: the dequantised weights are cached in {folder} (delete it to free the "
                   "space; SCGRPO_CACHE=off turns the cache off)")
-        except OSError:  # another run's copy is in place
-            shutil.rmtree(tmp, ignore_errors=True)
-    except OSError as e:
-        print(f"note: could not cache the dequantised weights in {folder} ({e.strerror}); "
+    except Exception as e:  # the cache is an extra: the run goes on without it
+        why = getattr(e, "strerror", None) or f"{type(e).__name__}: {str(e)[:80]}"
+        print(f"note: could not cache the dequantised weights in {folder} ({why}); "
               "each start dequantises the GGUF file again")
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def load_model(name, seed):

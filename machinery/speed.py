@@ -125,6 +125,8 @@ class Preallocated(DynamicLayer):
 
     def update(self, key_states, value_states, *args, **kwargs):
         t = self.used + key_states.shape[-2]
+        if t > self.k_buf.shape[2]:
+            raise ValueError(f"the sampler's KV cache holds {self.k_buf.shape[2]} tokens; {t} asked")
         self.k_buf[:self.rows, :, self.used:t] = key_states
         self.v_buf[:self.rows, :, self.used:t] = value_states
         self.used = t
@@ -132,12 +134,17 @@ class Preallocated(DynamicLayer):
         return self.keys, self.values
 
     def batch_select_indices(self, indices):
-        """Keep rows `indices` (ascending, as the sampler's), moved to the front of the buffers."""
+        """Keep rows `indices` (a long tensor, in any order), moved to the front of the buffers."""
         self.k_buf[:len(indices), :, :self.used] = self.keys[indices]
         self.v_buf[:len(indices), :, :self.used] = self.values[indices]
         self.rows = len(indices)
         self.keys = self.k_buf[:self.rows, :, :self.used]
         self.values = self.v_buf[:self.rows, :, :self.used]
+
+    def crop(self, *args):  # the sampler's cache only grows and drops rows; nothing else is kept
+        raise NotImplementedError("speed.Preallocated serves the sampler only")
+
+    reorder_cache = reset = crop
 
 
 def preallocated(layer, repeats, room):

@@ -580,7 +580,7 @@ def bf16_check(results, base="scgrpo-fp32", arm="scgrpo-bf16", margin=-0.03):
         return "\n".join(rows + ["", f"{len(d)} paired seeds: too few for the check."])
     (lo, hi), mean = t_interval(d), statistics.mean(d)
     return "\n".join(rows + ["", f"Mean paired difference {mean:+.4f}, paired-t 95% interval [{lo:+.4f}, "
-                              f"{hi:+.4f}] over {len(d)} seeds: bf16 {'passes' if mean >= margin else 'fails'} "
+                              f"{hi:+.4f}] over {len(d)} seeds: bf16 {'passes' if mean >= margin - 1e-9 else 'fails'} "
                               f"the learning check (a mean of {margin:+.2f} or better)."])
 
 

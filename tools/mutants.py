@@ -191,7 +191,7 @@ MUTANTS = [
      "        lse_s = head_lse(h_s, head, temperature)", "        lse_s = head_lse(h_s, head, 1.0)",
      ["test_bf16_d_and_logprobs_follow_the_fp32_plain_lines_within_bf16_rounding"]),
     ("the bf16 learning check passes a mean loss larger than its margin", "tools/compare.py",
-     "{'passes' if mean >= margin else 'fails'}", "{'passes' if mean >= 2 * margin else 'fails'}",
+     "{'passes' if mean >= margin - 1e-9 else 'fails'}", "{'passes' if mean >= 2 * margin else 'fails'}",
      ["test_bf16_check_reads_the_confirmatory_sums_paired_by_seed_against_a_hand_computed_case"]),
 ]
 
