@@ -126,7 +126,8 @@ class Preallocated(DynamicLayer):
     def update(self, key_states, value_states, *args, **kwargs):
         t = self.used + key_states.shape[-2]
         if t > self.k_buf.shape[2]:
-            raise ValueError(f"the sampler's KV cache holds {self.k_buf.shape[2]} tokens; {t} asked")
+            raise ValueError(f"the sampler's KV cache holds {self.k_buf.shape[2]} tokens; {t} "
+                             "asked")
         self.k_buf[:self.rows, :, self.used:t] = key_states
         self.v_buf[:self.rows, :, self.used:t] = value_states
         self.used = t
