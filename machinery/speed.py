@@ -120,8 +120,12 @@ class Preallocated(DynamicLayer):
         self.v_buf = v.new_empty(B * repeats, heads, P + room, d)
         self.k_buf[:, :, :P] = k.repeat_interleave(repeats, 0)
         self.v_buf[:, :, :P] = v.repeat_interleave(repeats, 0)
-        self.rows, self.used = B * repeats, P
-        self.keys, self.values = self.k_buf[:, :, :P], self.v_buf[:, :, :P]
+        self.in_use(B * repeats, P)
+
+    def in_use(self, rows, used):
+        """keys and values: views of the first `rows` rows and `used` tokens of the buffers."""
+        self.rows, self.used = rows, used
+        self.keys, self.values = self.k_buf[:rows, :, :used], self.v_buf[:rows, :, :used]
 
     def update(self, key_states, value_states, *args, **kwargs):
         t = self.used + key_states.shape[-2]
@@ -130,17 +134,14 @@ class Preallocated(DynamicLayer):
                              "asked")
         self.k_buf[:self.rows, :, self.used:t] = key_states
         self.v_buf[:self.rows, :, self.used:t] = value_states
-        self.used = t
-        self.keys, self.values = self.k_buf[:self.rows, :, :t], self.v_buf[:self.rows, :, :t]
+        self.in_use(self.rows, t)
         return self.keys, self.values
 
     def batch_select_indices(self, indices):
         """Keep rows `indices` (a long tensor, in any order), moved to the front of the buffers."""
         self.k_buf[:len(indices), :, :self.used] = self.keys[indices]
         self.v_buf[:len(indices), :, :self.used] = self.values[indices]
-        self.rows = len(indices)
-        self.keys = self.k_buf[:self.rows, :, :self.used]
-        self.values = self.v_buf[:self.rows, :, :self.used]
+        self.in_use(len(indices), self.used)
 
     def crop(self, *args):  # the sampler's cache only grows and drops rows; nothing else is kept
         raise NotImplementedError("speed.Preallocated serves the sampler only")
