@@ -1553,10 +1553,11 @@ def smollm2_folder(gguf_cache_of_this_run):
 
 
 @needs_smollm2
-def test_gguf_cache_holds_the_weights_the_gguf_file_gives(smollm2_folder, tmp_path, capsys):
+def test_gguf_cache_holds_the_weights_the_gguf_file_gives(smollm2_folder, tmp_path, capsys, monkeypatch):
     """The cached folder loads the same model as dequantising the GGUF file: equal weights, the same
     token ids for a chat prompt, the same stop ids. A cache folder that cannot be made costs a
-    note, not the run; SCGRPO_CACHE=off turns it off."""
+    note, not the run, and losing a race to another run's copy costs nothing; SCGRPO_CACHE=off
+    turns it off."""
     os.environ["SCGRPO_CACHE"] = "off"
     try:
         assert models.gguf_cache(models.gguf_path("SmolLM2-135M")) is None
@@ -1578,6 +1579,14 @@ def test_gguf_cache_holds_the_weights_the_gguf_file_gives(smollm2_folder, tmp_pa
     models.save_gguf_cache(tiny, tok, str(blocked / "model"))  # its parent is a file
     out = capsys.readouterr().out
     assert "could not cache" in out and len(out.splitlines()) == 1
+    taken, rename = tmp_path / "taken", os.rename  # two runs start at once: the other's rename
+    def theirs_first(src, dst):                      # lands just before ours
+        (taken / "theirs").mkdir(parents=True)
+        rename(src, dst)
+    monkeypatch.setattr(os, "rename", theirs_first)
+    models.save_gguf_cache(tiny, tok, str(taken))
+    assert capsys.readouterr().out == "" and os.listdir(taken) == ["theirs"]
+    assert sorted(os.listdir(tmp_path)) == ["a-file", "taken"]  # our partial copy is gone
 
 
 @needs_smollm2

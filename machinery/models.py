@@ -188,8 +188,12 @@ def save_gguf_cache(model, tok, folder):
         os.chmod(tmp, 0o755)  # mkdtemp's 0700 would shut out the other users of a shared cache
         tok.save_pretrained(tmp)
         model.save_pretrained(tmp)
-        if not os.path.isdir(folder):  # else another run's copy is in place: keep that one
+        try:
             os.rename(tmp, folder)
+        except OSError:  # another run's copy got there first: keep that one, drop ours
+            if not os.path.isdir(folder):
+                raise
+        else:
             tmp = None
             print(f"note: the dequantised weights are cached in {folder} (delete it to free the "
                   "space; SCGRPO_CACHE=off turns the cache off)")
