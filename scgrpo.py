@@ -48,7 +48,7 @@ three steps, each marked `if cfg.fast:`, call machinery/speed.py for the same nu
 Run it (--help lists every flag and the presets; --resume RUN continues a run; --algo grpo, dapo):
     python scgrpo.py                                        # tiny model, offline, CPU
     python scgrpo.py --model SmolLM2-135M --task addition   # real model, offline, CPU, ~8 min
-    python scgrpo.py --model Qwen2.5-0.5B --task gsm8k      # one 24 GB GPU
+    python scgrpo.py --model Qwen2.5-0.5B --task gsm8k      # sized for one 24 GB GPU; never run
     python scgrpo.py --eval-only --model runs/<run>/final   # score a model, no training
 """
 import difflib
