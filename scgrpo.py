@@ -56,6 +56,7 @@ import math
 import random
 import re
 from dataclasses import dataclass, field, replace
+from decimal import Decimal
 
 import torch
 import torch.nn.functional as F
@@ -182,8 +183,8 @@ def verify(completion, gold):
     want, got = normalize_number(gold.rsplit("####", 1)[-1]), extract_answer(completion)
     if want is None or got is None:
         return False
-    # both are digit strings (NUMBER), which float() always reads (a huge one as inf)
-    return math.isclose(float(got), float(want), rel_tol=1e-9, abs_tol=1e-9)
+    # both are digit strings (NUMBER), which Decimal reads exactly: 18.00 = 18, 10**9 + 1 != 10**9
+    return Decimal(got) == Decimal(want)
 
 # Prompts: the student's, and the teacher's with a reference answer in it --------------------------
 
@@ -265,11 +266,19 @@ def sample(model, prompts, n, max_new, temperature, eos_ids, pad_id, gen):
 def sample_answers(model, cfg, prompts, n, temperature, eos_ids, pad_id, gen, keep_states=False):
     """sample(), or speed.sample with --fast. -> ids, mask (N, L), and the student's states
     (speed.teacher_kl reuses them: --fast, keep_states, fp32) or None, None."""
-    fp32 = getattr(model, "autocast_dtype", None) is None  # bf16: the teacher re-runs the states
+    # --fast keeps the sampler's fp32 hidden states, so teacher_kl needs no student pass; under
+    # bf16 they are not kept (sampled and full passes round differently) and it re-runs them
+    fp32 = getattr(model, "autocast_dtype", None) is None
     args = (no_grad_model(model), prompts, n, cfg.max_new_tokens, temperature, eos_ids, pad_id, gen)
     if cfg.fast:  # speed.sample in place of sample(): a KV cache and inverse-CDF draws
         return speed.sample(*args, keep_states=keep_states and fp32)
     return (*sample(*args), None, None)
+
+
+def overlong_penalty(lengths, max_len, buffer):
+    """DAPO's soft overlong shaping: 0 up to max_len - buffer, then linearly down to -1 at
+    max_len. lengths (any shape) -> penalties (same shape)."""
+    return ((max_len - buffer - lengths.float()) / buffer).clamp(-1.0, 0.0)
 
 
 def rollout(model, tok, cfg, problems, gen, eos_ids):
@@ -287,12 +296,6 @@ def rollout(model, tok, cfg, problems, gen, eos_ids):
         reward += overlong_penalty(lengths, cfg.max_new_tokens, cfg.overlong_buffer)
     return Rollout(problems=problems, prompts=prompts, ids=ids, mask=mask, texts=texts,
                    correct=correct, reward=reward, hidden=hidden, lse=lse)
-
-
-def overlong_penalty(lengths, max_len, buffer):
-    """DAPO's soft overlong shaping: 0 up to max_len - buffer, then linearly down to -1 at
-    max_len. lengths (any shape) -> penalties (same shape)."""
-    return ((max_len - buffer - lengths.float()) / buffer).clamp(-1.0, 0.0)
 
 # Group advantages and routing ---------------------------------------------------------------------
 
@@ -438,7 +441,9 @@ def teacher_kl(model, cfg, ro, rows, teacher_prompts, prompt_of, ids, active):
 def measure_kl(model, tok, cfg, ro, batch, encode=encode_prompt):
     """Step 1: D at the active tokens of every answer with a reference, by micro-batches of
     answers sorted by question and reference (a teacher prompt is then prefilled once for
-    several answers); encode builds the teacher prompt (Eq. 4). -> kl (M, L), 0 where not scored"""
+    several answers); encode builds the teacher prompt (Eq. 4). -> kl (M, L), 0 where not scored.
+    The sort and distinct() only let --fast prefill each teacher prompt once; the plain lines of
+    teacher_kl expand prompt_of back to one prompt per answer."""
     kl = torch.zeros_like(batch.kl)                                                # (M, L)
     order = sorted(batch.scored.tolist(), key=lambda m: (int(batch.question[m]), int(batch.ref[m])))
     for mb in torch.tensor(order, dtype=torch.long).split(cfg.micro_batch):
@@ -448,6 +453,7 @@ def measure_kl(model, tok, cfg, ro, batch, encode=encode_prompt):
         prompts = [encode(tok, ro.problems[j // ro.G]["question"], ro.texts[j]) for j in refs]
         d = teacher_kl(model, cfg, ro, batch.row[mb], prompts, prompt_of, ids, active)  # (n,)
         back = torch.zeros(active.shape, device=kl.device).masked_scatter(active, d)  # (b, L)
+        # pack cut the micro-batch to its longest answer, so it is narrower than the rollout's L
         kl[mb, :active.shape[1]] = back  # the n values, row by row, in their (answer, token) places
     return kl
 
@@ -456,6 +462,8 @@ def sc_weights(kl, active, c_min=1e-4, q=0.75):
     """Step 2: f(D) = D / (D + c), c = max(quantile_q(D over active tokens), c_min).
     kl, active (...) -> weights (...) in [0, 1), 0 off the active tokens; and c. No gradient.
     A non-finite D would make c, hence every weight, NaN: such a token is left out (note 14)."""
+    assert kl.shape == active.shape, f"sc_weights: kl {tuple(kl.shape)} vs active {tuple(active.shape)}"
+    kl = kl.clamp_min(0.0)  # D >= 0, but rounding can put a teacher ~ student token a hair below
     active = active & torch.isfinite(kl)
     d = kl[active]
     c = max(float(torch.quantile(d.float(), q)) if d.numel() else 0.0, c_min)
@@ -518,6 +526,9 @@ def policy_loss(logp, old_logp, adv, weights, scale, mask, eps_low, eps_high):
     """-J_SC and the number of tokens whose ratio is outside the clip range. logp, old_logp,
     weights, scale, mask (b, L); adv (b,). With weights = 1: GRPO (scale = 1/(B G |o_i|)
     per answer) or DAPO (scale = 1/total tokens)."""
+    b, L = mask.shape
+    assert logp.shape == old_logp.shape == weights.shape == (b, L) and adv.shape == (b,), \
+        f"policy_loss: logp {tuple(logp.shape)}, weights {tuple(weights.shape)}, adv {tuple(adv.shape)}"
     # Zero the padding first: a NaN there would otherwise leak into the gradient through where().
     logp, old_logp = logp.masked_fill(~mask, 0.0), old_logp.masked_fill(~mask, 0.0)
     ratio = torch.exp(logp - old_logp)                                             # rho (b, L)
@@ -563,10 +574,11 @@ def update(model, optimizer, cfg, ro, batch):
     -> (loss, clip_frac, grad_norm, grad_norm_none and update_size as a dict; stepped)"""
     eps_high = cfg.epsilon_high or (DAPO_EPS_HIGH if cfg.algo == "dapo" else cfg.epsilon)
     per_answer = loss_scale(cfg, ro, batch)                                        # (M,)
-    # solve-none answers first: the gradient norm after them (grad_norm_none) is Eq. (5)'s part
+    # solve-none answers first, and a micro-batch ends where they end: the gradient norm read
+    # there (grad_norm_none) is Eq. (5)'s part alone
     order, mbs, n_none = micro_batches(batch, ro, cfg.micro_batch)
     batch, per_answer = batch[order], per_answer[order]
-    old = None  # mu > 1: the log-probs of the weights that sampled, frozen for every epoch
+    old = None  # mu > 1: the log-probs before any step (this same pass), frozen for every epoch
     if cfg.ppo_epochs > 1:
         with torch.no_grad():
             old = [answer_logprobs(model, cfg, ro, batch[sl])[0] for sl in mbs]
@@ -578,8 +590,9 @@ def update(model, optimizer, cfg, ro, batch):
                 mb = batch[sl]
                 logp, mask = answer_logprobs(model, cfg, ro, mb)                   # (b, L)
                 loss, n_clipped = policy_loss(
-                    logp, old[k] if old else logp.detach(),  # mu = 1: old = logp: rho = 1
-                    adv=mb.adv.to(logp.device), weights=mb.weights[:, :mask.shape[1]],  # mb: L wide
+                    logp, old[k] if old else logp.detach(),  # mu = 1: rho = 1, the clip idle
+                    # pack cut mask to this micro-batch's longest answer; weights are L wide
+                    adv=mb.adv.to(logp.device), weights=mb.weights[:, :mask.shape[1]],
                     scale=mask * per_answer[sl, None].to(logp.device), mask=mask,
                     eps_low=cfg.epsilon, eps_high=eps_high)
                 loss.backward()
@@ -612,35 +625,6 @@ def train_step(model, optimizer, tok, cfg, train_set, batcher, rng, gen, eos_ids
     metrics = step_metrics(cfg, sampled, ro, routes, trained, clock, rounds, **upd, **sc_stats,
                            eq5_only=eq5_only, nonfinite=bool(trained.route) and not stepped)
     return metrics, credit_examples(tok, ro, batch)
-
-# The training loop --------------------------------------------------------------------------------
-
-def train(cfg, resume=""):
-    """Train, evaluate and save. resume: a checkpoint folder from parse_config, or ""."""
-    # One seed for everything. With one CPU thread (OMP_NUM_THREADS=1) a run repeats bit for bit;
-    # with more, or on a GPU, reductions may split differently, and runs drift apart slowly.
-    random.seed(cfg.seed)
-    torch.manual_seed(cfg.seed)  # the tiny model's initial weights come from this stream
-    run = Run(cfg, resume)  # loads the data and the model (fp32 weights; resume: the checkpoint's)
-    model, tok = run.model, run.tok
-    # AdamW on every weight at a constant learning rate (note 10), PyTorch's betas (0.9, 0.999)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    rng = random.Random(cfg.seed)                            # which answer is whose reference
-    gen = torch.Generator(run.device).manual_seed(cfg.seed)  # the sampler's draws
-    batcher = Batcher(len(run.train_set), cfg.seed)          # questions: a seeded order per epoch
-    start = run.begin(optimizer, rng, gen, batcher)  # 1, or after resume the next step (restored)
-    if start == 1:
-        run.log_eval(0, *evaluate(model, tok, run.eval_set, cfg, run.eos_ids))
-    bar = tqdm(range(start, cfg.steps + 1), desc="train", initial=start - 1, total=cfg.steps,
-               disable=None)
-    for step in bar:
-        m, credit = train_step(model, optimizer, tok, cfg, run.train_set, batcher, rng, gen,
-                               run.eos_ids)
-        run.log_step(bar, {"step": step, **m}, credit)  # may stop: --max-bad-steps NaN steps
-        if step % cfg.eval_every == 0 or step == cfg.steps:
-            run.log_eval(step, *evaluate(model, tok, run.eval_set, cfg, run.eos_ids))
-        run.checkpoint(bar, step)  # every --save-every steps, at the end, and after a Ctrl-C
-    run.finish(bar)
 
 # Evaluation: greedy accuracy, Avg@k and Pass@k ----------------------------------------------------
 
@@ -684,6 +668,35 @@ def evaluate(model, tok, problems, cfg, eos_ids):
         out["eval_avg_at_k"], out["eval_pass_at_k"] = avg_and_pass_at_k(hits)
         per_question["k_correct"] = hits.sum(1).tolist()
     return out, per_question
+
+# The training loop --------------------------------------------------------------------------------
+
+def train(cfg, resume=""):
+    """Train, evaluate and save. resume: a checkpoint folder from parse_config, or ""."""
+    # One seed for everything. With one CPU thread (OMP_NUM_THREADS=1) a run repeats bit for bit;
+    # with more, or on a GPU, reductions may split differently, and runs drift apart slowly.
+    random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)  # the tiny model's initial weights come from this stream
+    run = Run(cfg, resume)  # loads the data and the model (fp32 weights; resume: the checkpoint's)
+    model, tok = run.model, run.tok
+    # AdamW on every weight at a constant learning rate (note 10), PyTorch's betas (0.9, 0.999)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    rng = random.Random(cfg.seed)                            # which answer is whose reference
+    gen = torch.Generator(run.device).manual_seed(cfg.seed)  # the sampler's draws
+    batcher = Batcher(len(run.train_set), cfg.seed)          # questions: a seeded order per epoch
+    start = run.begin(optimizer, rng, gen, batcher)  # 1, or after resume the next step (restored)
+    if start == 1:
+        run.log_eval(0, *evaluate(model, tok, run.eval_set, cfg, run.eos_ids))
+    bar = tqdm(range(start, cfg.steps + 1), desc="train", initial=start - 1, total=cfg.steps,
+               disable=None)
+    for step in bar:
+        m, credit = train_step(model, optimizer, tok, cfg, run.train_set, batcher, rng, gen,
+                               run.eos_ids)
+        run.log_step(bar, {"step": step, **m}, credit)  # may stop: --max-bad-steps NaN steps
+        if step % cfg.eval_every == 0 or step == cfg.steps:
+            run.log_eval(step, *evaluate(model, tok, run.eval_set, cfg, run.eos_ids))
+        run.checkpoint(bar, step)  # every --save-every steps, at the end, and after a Ctrl-C
+    run.finish(bar)
 
 
 def main(argv=None):

@@ -496,8 +496,11 @@ def test_extract_answer(text, want):
     ("", "#### 18", False),
     ("18", "no number", False),
     ("1e309", "#### 1", False),
-    ("\\boxed{0.1}", "#### 0.10000000000001", True),   # equal within float rounding
+    ("\\boxed{0.1}", "#### 0.10000000000001", False),  # equal means equal: no tolerance
     ("\\boxed{1000}", "#### 1001", False),             # close is not equal
+    ("\\boxed{1000000001}", "#### 1,000,000,000", False),  # nor within a relative 1e-9
+    ("\\boxed{007}", "#### 7", True), ("-0.0", "#### 0", True),
+    ("9" * 40, "#### " + "9" * 40, True), ("9" * 40, "#### " + "9" * 39 + "8", False),  # past float
 ])
 def test_verify(completion, gold, ok):
     assert S.verify(completion, gold) is ok
@@ -721,6 +724,10 @@ def test_sc_weights_hand_computed():
     assert w[0, 4] == 0 and ((w >= 0) & (w < 1)).all()
     w, c = S.sc_weights(torch.full((2, 3), 1e-6), torch.ones(2, 3, dtype=torch.bool), c_min=1e-4)
     assert c == 1e-4 and w[0, 0].item() == pytest.approx(1e-6 / (1e-6 + 1e-4))  # the floor
+    # a D rounded a hair below 0 (teacher ~ student) weighs 0, never a negative (sign-flipping) weight
+    w, c = S.sc_weights(torch.tensor([-1e-7, 0.0, 1e-3, 2e-3]), torch.ones(4, dtype=torch.bool), q=0.5)
+    assert c == pytest.approx(5e-4) and w[0] == 0 and w[1] == 0  # P50 of 0, 0, 1e-3, 2e-3
+    assert w[2].item() == pytest.approx(1e-3 / 1.5e-3) and ((w >= 0) & (w < 1)).all()
 
 
 def test_diversity_advantage_hand_computed():

@@ -96,8 +96,9 @@ MUTANTS = [
      "F.softmax(z / temperature, -1)", "F.softmax(z, -1)", []),
     ("Eq. (4): the teacher prompt without the reference", "scgrpo.py",
      "system += reference if tiny else GUIDE + reference", 'system += "" if tiny else GUIDE', []),
-    ("verifier: 1% tolerance instead of float rounding", "scgrpo.py",
-     "rel_tol=1e-9, abs_tol=1e-9", "rel_tol=1e-2, abs_tol=1e-9", []),
+    ("verifier: equal within 1% instead of equal", "scgrpo.py",
+     "return Decimal(got) == Decimal(want)", "return abs(Decimal(got) - Decimal(want)) <= abs(Decimal(want)) / 100",
+     []),
     ("DAPO dynamic sampling keeps groups of equal rewards", "scgrpo.py",
      'if route != "skip"])', 'if route != "drop"])', ["test_tiny_dapo_run_completes"]),
     ("TRL: per-token advantages without f(D)", "trl_scgrpo.py",
@@ -193,6 +194,8 @@ MUTANTS = [
     ("the bf16 learning check passes a mean loss larger than its margin", "tools/compare.py",
      "{'passes' if mean >= margin - 1e-9 else 'fails'}", "{'passes' if mean >= 2 * margin else 'fails'}",
      ["test_bf16_check_reads_the_confirmatory_sums_paired_by_seed_against_a_hand_computed_case"]),
+    ("f(D) of a D rounded below 0: a negative weight", "scgrpo.py",
+     "kl = kl.clamp_min(0.0)", "kl = kl.clamp_min(-1.0)", ["test_sc_weights_hand_computed"]),
 ]
 
 
