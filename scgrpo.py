@@ -71,11 +71,10 @@ from machinery.credit import credit_examples  # the answers shown on the credit 
 from machinery.models import TINY_TEMPLATE, autocast, no_grad_model, training
 from machinery.runs import Phases, Run, UpdateLog, kl_metrics, step_metrics  # the run folder, logs
 from machinery.tasks import Batcher, last_boxed
-# Bookkeeping, named where used: left_pad(token lists) -> ids, mask (B, P) padded on the left so
-# every prompt ends in the last column; decode -> texts; pack(rollout, rows[, n]) -> ids, mask
-# (b, L) of those answers (their first n tokens); distinct(keys) -> (the distinct keys, each key's
-# index among them); join, select_groups, take_rows: concatenate or pick rows; autocast: bf16 if
-# --dtype asks; micro_batches, training, UpdateLog: the update's order, mode and numbers.
+# Bookkeeping: left_pad(token lists) -> ids, mask (B, P), padded on the left so every prompt ends
+# in the last column; decode -> texts; pack(rollout, rows[, n]) -> ids, mask (b, L) of those answers
+# (their first n tokens); distinct(keys) -> (distinct keys, each key's index among them); join,
+# select_groups, take_rows: concatenate or pick rows; autocast: bf16 if --dtype asks.
 
 # Config -------------------------------------------------------------------------------------------
 
@@ -266,9 +265,7 @@ def sample(model, prompts, n, max_new, temperature, eos_ids, pad_id, gen):
 def sample_answers(model, cfg, prompts, n, temperature, eos_ids, pad_id, gen, keep_states=False):
     """sample(), or speed.sample with --fast. -> ids, mask (N, L), and the student's states
     (speed.teacher_kl reuses them: --fast, keep_states, fp32) or None, None."""
-    # --fast keeps the sampler's fp32 hidden states, so teacher_kl needs no student pass; under
-    # bf16 they are not kept (sampled and full passes round differently) and it re-runs them
-    fp32 = getattr(model, "autocast_dtype", None) is None
+    fp32 = getattr(model, "autocast_dtype", None) is None  # bf16 passes round apart: not kept
     args = (no_grad_model(model), prompts, n, cfg.max_new_tokens, temperature, eos_ids, pad_id, gen)
     if cfg.fast:  # speed.sample in place of sample(): a KV cache and inverse-CDF draws
         return speed.sample(*args, keep_states=keep_states and fp32)
@@ -394,9 +391,8 @@ def make_batch(ro, routes, adv, rng, usable=None, window="paper"):
 # Scoring answers: the plain forward behind the update's log-probs and the teacher's KL ------------
 
 def forward_answers(model, prompts, ids, mask):
-    """The plain forward that scores answers: each row is its prompt (b prompts, left-padded)
-    followed by its answer ids, mask (b, L). -> logits (b, L, V) at the positions that predict
-    each answer token, in fp32."""
+    """The plain forward that scores answers: each row is its prompt (b prompts, left-padded),
+    then its answer ids, mask (b, L). -> fp32 logits (b, L, V) that predict each answer token"""
     p_ids, p_mask = left_pad(prompts, 0, ids.device)                               # (b, P)
     attn = torch.cat([p_mask, mask.long()], 1)                                     # (b, P+L)
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
@@ -441,9 +437,8 @@ def teacher_kl(model, cfg, ro, rows, teacher_prompts, prompt_of, ids, active):
 def measure_kl(model, tok, cfg, ro, batch, encode=encode_prompt):
     """Step 1: D at the active tokens of every answer with a reference, by micro-batches of
     answers sorted by question and reference (a teacher prompt is then prefilled once for
-    several answers); encode builds the teacher prompt (Eq. 4). -> kl (M, L), 0 where not scored.
-    The sort and distinct() only let --fast prefill each teacher prompt once; the plain lines of
-    teacher_kl expand prompt_of back to one prompt per answer."""
+    several answers, on --fast; the plain teacher_kl expands prompt_of to one per answer); encode
+    builds the teacher prompt (Eq. 4). -> kl (M, L), 0 where not scored"""
     kl = torch.zeros_like(batch.kl)                                                # (M, L)
     order = sorted(batch.scored.tolist(), key=lambda m: (int(batch.question[m]), int(batch.ref[m])))
     for mb in torch.tensor(order, dtype=torch.long).split(cfg.micro_batch):
@@ -453,8 +448,7 @@ def measure_kl(model, tok, cfg, ro, batch, encode=encode_prompt):
         prompts = [encode(tok, ro.problems[j // ro.G]["question"], ro.texts[j]) for j in refs]
         d = teacher_kl(model, cfg, ro, batch.row[mb], prompts, prompt_of, ids, active)  # (n,)
         back = torch.zeros(active.shape, device=kl.device).masked_scatter(active, d)  # (b, L)
-        # pack cut the micro-batch to its longest answer, so it is narrower than the rollout's L
-        kl[mb, :active.shape[1]] = back  # the n values, row by row, in their (answer, token) places
+        kl[mb, :active.shape[1]] = back  # pack cut the rows to their longest answer: <= L wide
     return kl
 
 
@@ -462,7 +456,6 @@ def sc_weights(kl, active, c_min=1e-4, q=0.75):
     """Step 2: f(D) = D / (D + c), c = max(quantile_q(D over active tokens), c_min).
     kl, active (...) -> weights (...) in [0, 1), 0 off the active tokens; and c. No gradient.
     A non-finite D would make c, hence every weight, NaN: such a token is left out (note 14)."""
-    assert kl.shape == active.shape, f"sc_weights: kl {tuple(kl.shape)} vs active {tuple(active.shape)}"
     kl = kl.clamp_min(0.0)  # D >= 0, but rounding can put a teacher ~ student token a hair below
     active = active & torch.isfinite(kl)
     d = kl[active]
@@ -526,9 +519,6 @@ def policy_loss(logp, old_logp, adv, weights, scale, mask, eps_low, eps_high):
     """-J_SC and the number of tokens whose ratio is outside the clip range. logp, old_logp,
     weights, scale, mask (b, L); adv (b,). With weights = 1: GRPO (scale = 1/(B G |o_i|)
     per answer) or DAPO (scale = 1/total tokens)."""
-    b, L = mask.shape
-    assert logp.shape == old_logp.shape == weights.shape == (b, L) and adv.shape == (b,), \
-        f"policy_loss: logp {tuple(logp.shape)}, weights {tuple(weights.shape)}, adv {tuple(adv.shape)}"
     # Zero the padding first: a NaN there would otherwise leak into the gradient through where().
     logp, old_logp = logp.masked_fill(~mask, 0.0), old_logp.masked_fill(~mask, 0.0)
     ratio = torch.exp(logp - old_logp)                                             # rho (b, L)
@@ -574,8 +564,7 @@ def update(model, optimizer, cfg, ro, batch):
     -> (loss, clip_frac, grad_norm, grad_norm_none and update_size as a dict; stepped)"""
     eps_high = cfg.epsilon_high or (DAPO_EPS_HIGH if cfg.algo == "dapo" else cfg.epsilon)
     per_answer = loss_scale(cfg, ro, batch)                                        # (M,)
-    # solve-none answers first, and a micro-batch ends where they end: the gradient norm read
-    # there (grad_norm_none) is Eq. (5)'s part alone
+    # solve-none answers first, in micro-batches of their own: grad_norm_none is Eq. (5)'s part
     order, mbs, n_none = micro_batches(batch, ro, cfg.micro_batch)
     batch, per_answer = batch[order], per_answer[order]
     old = None  # mu > 1: the log-probs before any step (this same pass), frozen for every epoch

@@ -1689,7 +1689,7 @@ def test_source_reads_as_declared_and_help_comes_from_the_config(capsys):
     order = ["class Config", "def verify", "def encode_prompt", "def sample", "def rollout",
              "def group_advantages", "def route_groups", "def teacher_kl", "def sc_weights",
              "def diversity_advantages", "def self_condition", "def policy_loss", "def update", "def train_step",
-             "def train(", "def evaluate", "def main"]
+             "def evaluate", "def train(", "def main"]
     at = [next(i for i, line in enumerate(lines) if line.startswith(key)) for key in order]
     assert at == sorted(at), [k for k, a, b in zip(order, at, sorted(at)) if a != b]
     with pytest.raises(SystemExit):
