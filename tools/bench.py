@@ -172,7 +172,7 @@ def run_trl(args, sc=False, bf16=False):
     """TRL's GRPOTrainer, or with sc=True our SCGRPOTrainer subclass of it (trl_scgrpo.py); bf16:
     TRL's own bf16 mixed precision (bf16=True). Only whole steps are timed: TRL logs no phases."""
     from datasets import Dataset
-    from transformers import AutoTokenizer, TrainerCallback
+    from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
     train_rows, _ = tasks.load_task(S.Config(task="gsm8k" if args.data else "addition", data=args.data or ""))
     prompts = [[{"role": "system", "content": S.SYSTEM_PROMPT}, {"role": "user", "content": r["question"]}]
@@ -202,9 +202,10 @@ def run_trl(args, sc=False, bf16=False):
     Trainer = GRPOTrainer
     if sc:
         from trl_scgrpo import SCGRPOTrainer as Trainer
-    trainer = Trainer(model=args.model, reward_funcs=[reward_fn], args=config,
+    model, tok = models.load_model(args.model, 0)  # as ours load it: a name such as SmolLM2-135M, or a folder
+    trainer = Trainer(model=model, reward_funcs=[reward_fn], args=config,
                       train_dataset=Dataset.from_list([{"prompt": p} for p in prompts]),
-                      processing_class=AutoTokenizer.from_pretrained(args.model), callbacks=[Clock()])
+                      processing_class=tok, callbacks=[Clock()])
     t0 = time.time()
     trainer.train()
     steps = [b - a for a, b in zip([t0] + stamps, stamps)][1:]  # drop the warm-up step
