@@ -20,7 +20,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from machinery import die, tracking
+from machinery import die, speed, tracking
 from machinery.credit import write_credit_html
 from machinery.models import (CPU_MAX_PARAMS, cuda_status, load_model, logits_are_head_of_hidden,
                               pick_device, set_precision, stop_ids)
@@ -150,6 +150,8 @@ class Run:
             die(f"{self.n_params / 1e6:.0f}M parameters would train on the CPU ({cuda_status()}), "
                 "which takes days at this preset; fix CUDA, or pass --device cpu to run it anyway")
         self.model.to(device).eval()  # no dropout: eval and train mode compute the same function
+        if cfg.fast:
+            speed.keep_freed_memory(device)  # a CPU's large buffers reused, not page-faulted anew
         if cfg.fast and not logits_are_head_of_hidden(self.model):
             die(f"model {cfg.model!r} computes its logits from more than its LM head (soft-capping "
                 "or a logit scale), which the fast paths leave out; run it with --no-fast")

@@ -50,16 +50,19 @@ def main():
     ap.add_argument("--max-new-tokens", type=at_least(1), default=64)
     ap.add_argument("--micro-batch", type=at_least(1), default=16)
     ap.add_argument("--kv-cat", action="store_true", help="also profile sampling with torch.cat")
+    ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                    help="bf16: as a --dtype bf16 run (the bf16 weight copy, autocast in the update)")
     ap.add_argument("--out", default="", help="write the report here as well")
     args = ap.parse_args()
     model, tok = models.load_model(args.model, 0)
+    models.set_precision(model, args.dtype == "bf16")
     cfg = S.Config(model=args.model, fast=True, algo="scgrpo", group_size=args.group_size,
                    max_new_tokens=args.max_new_tokens, temperature=0.8,
                    micro_batch=args.micro_batch)
     problems = tasks.TASKS["addition"]()[0][:args.prompts_per_step]
     eos = models.stop_ids(model.eval(), tok)
     lines = [f"# profile of one step, {args.model}, {len(problems)} x {cfg.group_size} answers, "
-             f"{cfg.max_new_tokens}-token cap, micro-batch {cfg.micro_batch}, fp32 fast path\n",
+             f"{cfg.max_new_tokens}-token cap, micro-batch {cfg.micro_batch}, {args.dtype} fast path\n",
              f"{machine().strip()}, {torch.get_num_threads()} thread(s)"]
     sample = lambda: S.rollout(model, tok, cfg, problems, torch.Generator().manual_seed(0), eos)
     ro = profiled("sampling (speed.Preallocated KV cache)", sample, lines)
