@@ -704,6 +704,30 @@ def test_head_kl_matches_kl_div_and_vanishes_for_identical_states():
     assert speed.head_kl(h_t[:0], h_s[:0], lse_s[:0], head, 1.0).shape == (0,)
 
 
+def test_head_kl_from_both_sides_logits_in_fp32_and_with_bf16_weights():
+    """No lse_s (the student re-scored): D from both sides' logits in each block. fp32: the
+    built-in's KL of the full logits. bf16 weights (--dtype bf16's copy): the built-in's KL of
+    the plain lines' bf16 logits (bf16 inputs, each logit rounded to bf16), to fp32's summation
+    tolerance; a rounded D is not an fp32 D (the check that the bf16 path ran)."""
+    g = torch.Generator().manual_seed(2)
+    head = torch.nn.Linear(8, 50, bias=False)
+    torch.nn.init.normal_(head.weight, std=1.0, generator=g)
+    h_t, h_s = torch.randn(15, 8, generator=g), torch.randn(15, 8, generator=g)
+    with torch.no_grad():
+        want = kl_reference(head(h_t) / 0.7, head(h_s) / 0.7)
+        w16 = head.weight.bfloat16()
+        rounded = [((h / 0.7).bfloat16() @ w16.T).float() for h in (h_t, h_s)]   # plain bf16 head
+        want16 = kl_reference(*rounded)
+    head16 = torch.nn.Linear(8, 50, bias=False).to(torch.bfloat16).requires_grad_(False)
+    head16.weight.copy_(w16)
+    for block in (None, 7, 50):
+        torch.testing.assert_close(speed.head_kl(h_t, h_s, None, head, 0.7, block), want, rtol=1e-5, atol=1e-5)
+        got16 = speed.head_kl(h_t, h_s, None, head16, 0.7, block)
+        torch.testing.assert_close(got16, want16, rtol=1e-5, atol=1e-5)
+    assert (got16 - want).abs().max() > 1e-3
+    torch.testing.assert_close(speed.head_kl(h_t, h_t, None, head16, 0.7, 7), torch.zeros(15), rtol=0, atol=1e-5)
+
+
 def test_head_kl_in_blocks_at_qwen_vocabulary():
     g = torch.Generator().manual_seed(1)
     head = torch.nn.Linear(16, 151_936, bias=False)
@@ -849,7 +873,39 @@ def test_blocked_logprobs_and_gradients_equal_full_logits():
         torch.testing.assert_close(got_h, want_h)
         torch.testing.assert_close(got_w, want_w)
     h64, w64 = h.detach()[:6].double().requires_grad_(), head.weight.detach()[:12].double().requires_grad_()
-    assert torch.autograd.gradcheck(lambda a, b: speed.HeadLogprobs.apply(a, b, targets[:6] % 12, 0.7, 5), (h64, w64))
+    assert torch.autograd.gradcheck(lambda a, b: speed.HeadLogprobs.apply(a, b, targets[:6] % 12, 0.7, 5, None), (h64, w64))
+
+
+def test_blocked_logprobs_in_bf16_equal_the_bf16_head_and_follow_fp32_gradients():
+    """dtype bf16 (the update under --dtype bf16): the values are the plain lines' bf16 head's
+    (bf16 inputs, each logit rounded to bf16, then an fp32 log_softmax), to fp32's summation
+    tolerance. The gradients are fp32's up to bf16's rounding: each logit z moves by at most
+    2^-8 |z| (inputs and output rounded, 2^-9 relative each), so each p_v by a factor within
+    exp(+-2^-8 max|z|), and the products with W and h are rounded at 2^-9 once more: the
+    gradient's error is below (2^-8 max|z| + 2^-8) of the sum of its terms' magnitudes."""
+    g = torch.Generator().manual_seed(0)
+    W = torch.randn(50, 16, generator=g)
+    h, targets = torch.randn(37, 16, generator=g), torch.randint(0, 50, (37,), generator=g)
+    upstream = torch.randn(37, generator=g)
+    rounded = ((h / 0.7).bfloat16() @ W.bfloat16().T).float()                      # (37, 50)
+    want = F.log_softmax(rounded, -1).gather(-1, targets[:, None]).squeeze(-1)
+    h32, W32 = h.clone().requires_grad_(), W.clone().requires_grad_()
+    lp32 = F.log_softmax(h32 @ W32.T / 0.7, -1).gather(-1, targets[:, None]).squeeze(-1)
+    want_h, want_w = torch.autograd.grad((lp32 * upstream).sum(), (h32, W32))
+    p = F.softmax(h @ W.T / 0.7, -1)
+    scale_h = (upstream.abs()[:, None] / 0.7) * (W[targets].abs() + p @ W.abs())  # |terms|, (37, 16)
+    scale_w = ((upstream.abs()[:, None] / 0.7) * (p + F.one_hot(targets, 50))).T @ h.abs()
+    tol = 2 ** -8 * float(rounded.abs().max()) + 2 ** -8
+    head = torch.nn.Linear(16, 50, bias=False)
+    for block in (None, 7, 50):
+        h16, W16 = h.clone().requires_grad_(), W.clone().requires_grad_()
+        head.weight = torch.nn.Parameter(W16)
+        got = speed.head_logprobs(head, h16, targets, 0.7, block, torch.bfloat16)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        got_h, got_w = torch.autograd.grad((got * upstream).sum(), (h16, head.weight))
+        assert ((got_h - want_h).abs() <= tol * scale_h + 1e-6).all()
+        assert ((got_w - want_w).abs() <= tol * scale_w + 1e-6).all()
+        assert got_w.dtype == torch.float32 and (got_h - want_h).abs().max() > 0  # bf16 did run
 
 
 def test_left_padding_does_not_change_completion_logprobs(tiny):
@@ -1737,7 +1793,7 @@ def reader(request):
 def bf16_rounding_kl_p95(model, ro, temperature, n=8):
     """P95 over the answer tokens of the first n answers of `ro` of K = KL(fp32 || bf16): the same
     batch forward once in fp32 and once under bf16 autocast, the last hidden state put through the
-    LM head in fp32 (as teacher_kl does), at temperature T."""
+    LM head in fp32 (as teacher_kl does on fp32 weights), at temperature T."""
     G = ro.mask.shape[0] // len(ro.prompts)
     p_ids, p_mask = batching.left_pad([ro.prompts[k // G] for k in range(n)], 0, ro.ids.device)
     ids, mask = ro.ids[:n], ro.mask[:n]

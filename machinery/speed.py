@@ -188,6 +188,17 @@ def head_logits(h, weight, out):
     return out.copy_(h.to(weight.dtype) @ weight.T)
 
 
+def mm(a, b, dtype=None):
+    """a @ b, returned in a's precision (fp32, or float64 in gradcheck). With dtype bf16 (or b
+    already in bf16: the --dtype bf16 weight copy) a bf16 matmul: fp32 accumulation, its result
+    rounded to bf16 and then widened, as the plain lines' bf16 LM head rounds its logits (a CPU
+    has no bf16 matmul with an fp32 result in this torch; docs/speed.md)."""
+    low = dtype or (b.dtype if b.dtype == torch.bfloat16 else None)
+    if low is None or low == a.dtype:
+        return a @ b.to(a.dtype)
+    return (a.to(low) @ b.to(low)).to(a.dtype)
+
+
 def completion_hidden(model, prompts, comp_ids, resp_mask):
     """The final hidden states that predict each answer token, one row per answer with its
     own prompt: model.base_model(prompt + answer) -> (n_active, H), in row order. Plainly,
@@ -199,7 +210,7 @@ def completion_hidden(model, prompts, comp_ids, resp_mask):
     with autocast(model):
         h = model.base_model(input_ids=ids, attention_mask=attn, position_ids=pos,
                              use_cache=False).last_hidden_state
-    return h[:, p_ids.shape[1] - 1:-1][resp_mask].float()  # fp32 for the fp32 head  (n, H)
+    return h[:, p_ids.shape[1] - 1:-1][resp_mask].float()  # (n, H), fp32 in (mm may go bf16)
 
 
 def shared_prefix_hidden(model, prompts, prompt_of, comp_ids, resp_mask):
@@ -263,14 +274,21 @@ class HeadLogprobs(torch.autograd.Function):
     applied one block of vocabulary entries at a time in both passes: no (N, V) matrix, and
     only h and the log-normaliser kept for backward. With z = h W^T / T and p = softmax(z):
         d log p(t) / d z_v = 1[v = t] - p_v,  so, with g the incoming gradient (N,),
-        grad h = g/T (W_t - sum_v p_v W_v),   grad W_v = sum_n g_n/T (1[v = t_n] - p_nv) h_n."""
+        grad h = g/T (W_t - sum_v p_v W_v),   grad W_v = sum_n g_n/T (1[v = t_n] - p_nv) h_n.
+    dtype bf16 (--dtype bf16's update): every product with W a bf16 matmul (mm), each logit
+    rounded to bf16 as autocast's LM head rounds it; the softmax's sums and the gradients' sums
+    over blocks stay fp32, and grad W is fp32 for the fp32 master weights."""
 
     @staticmethod
-    def forward(ctx, h, weight, targets, temperature, block):
-        lse = head_lse(h, weight, temperature, block)                              # (N,)
+    def forward(ctx, h, weight, targets, temperature, block, dtype):
+        lse = head_lse(h, weight, temperature, block, dtype)                       # (N,)
         ctx.save_for_backward(h, weight, targets, lse)
-        ctx.temperature, ctx.block = temperature, block
-        return (h / temperature * weight[targets]).sum(-1) - lse                   # z_t - lse
+        ctx.temperature, ctx.block, ctx.dtype = temperature, block, dtype
+        a, w_t = h / temperature, weight[targets]                                  # (N, H)
+        if dtype:  # the target's logit as mm computes it: bf16 inputs, rounded to bf16
+            a, w_t = a.to(dtype).to(h.dtype), w_t.to(dtype).to(h.dtype)
+        z_t = (a * w_t).sum(-1)                                                    # (N,)
+        return (z_t.to(dtype).to(h.dtype) if dtype else z_t) - lse
 
     @staticmethod
     def backward(ctx, g):
@@ -280,30 +298,30 @@ class HeadLogprobs(torch.autograd.Function):
         grad_w = torch.zeros_like(weight).index_add_(0, targets, g_t[:, None] * h)
         for j in range(0, weight.shape[0], ctx.block):
             w = weight[j:j + ctx.block]                                            # (block, H)
-            q = (a @ w.T).sub_(lse[:, None]).exp_().mul_(g_t[:, None])             # g/T p
-            grad_h -= q @ w
-            grad_w[j:j + ctx.block] -= q.T @ h
-        return grad_h, grad_w, None, None, None
+            q = mm(a, w.T, ctx.dtype).sub_(lse[:, None]).exp_().mul_(g_t[:, None])  # g/T p
+            grad_h -= mm(q, w, ctx.dtype)
+            grad_w[j:j + ctx.block] -= mm(q.T, h, ctx.dtype)
+        return grad_h, grad_w, None, None, None, None
 
 
 @torch.no_grad()
-def head_lse(h, head, temperature, block=None):
+def head_lse(h, head, temperature, block=None, dtype=None):
     """torch.logsumexp(h @ W.T / T, -1) without the (N, V) logits. head: the LM head or its
-    weight W (V, H); h (N, H) -> (N,), in fp32 or wider."""
-    dtype = torch.promote_types(h.dtype, torch.float32)  # at least fp32 (float64 in gradcheck)
-    weight, a = getattr(head, "weight", head), h.to(dtype) / temperature
+    weight W (V, H); h (N, H) -> (N,), in fp32 or wider. bf16 weights or dtype: bf16 logits (mm)."""
+    a = h.to(torch.promote_types(h.dtype, torch.float32)) / temperature  # float64 in gradcheck
+    weight = getattr(head, "weight", head)
     m, s = a.new_full((a.shape[0],), -math.inf), a.new_zeros(a.shape[0])
     block = block or vocab_block(a.shape[0], a.device)
     for j in range(0, weight.shape[0], block):
-        m, s, _ = fold_block_(m, s, a @ weight[j:j + block].to(dtype).T)          # (N, block)
+        m, s, _ = fold_block_(m, s, mm(a, weight[j:j + block].T, dtype))          # (N, block)
     return m + s.log()
 
 
-def head_logprobs(head, h, targets, temperature, block=None):
+def head_logprobs(head, h, targets, temperature, block=None, dtype=None):
     """log_softmax(head(h) / T).gather(-1, targets) without the (N, V) logits (HeadLogprobs).
-    h (N, H) fp32, targets (N,) -> (N,) fp32."""
+    h (N, H) fp32, targets (N,) -> (N,) fp32. dtype bf16: the products with W in bf16."""
     block = block or vocab_block(h.shape[0], h.device)
-    return HeadLogprobs.apply(h, head.weight, targets, temperature, block)
+    return HeadLogprobs.apply(h, head.weight, targets, temperature, block, dtype)
 
 
 @torch.no_grad()
@@ -315,12 +333,17 @@ def head_kl(h_t, h_s, lse_s, head, temperature, block=None):
         D = sum_v p_t(v) (z_t(v) - z_s(v)) - lse_t + lse_s
           = (sum_v p_t(v) W_v) . (h_t - h_s) / T - lse_t + lse_s,
     so only the teacher's logits are needed; lse_t and the p_t-weighted mean of W's rows are
-    carried along the blocks as an online softmax (fold_block_)."""
+    carried along the blocks as an online softmax (fold_block_). lse_s None (the student
+    re-scored, as under bf16): the first line, both sides' logits in each block, both
+    normalisers from them; with bf16 weights each logit is rounded to bf16 (mm), and the first
+    line stays the KL of the two rounded distributions, where the second would not."""
     n, H = h_t.shape
     a = h_t.float() / temperature
     m, s = a.new_full((n,), -math.inf), a.new_zeros(n)                           # max, sum e
-    w_sum = a.new_zeros(n, H)                                        # sum_v exp(z_t(v) - m) W_v
     block = block or vocab_block(n, a.device)
+    if lse_s is None:
+        return rounded_head_kl(a, h_s.float() / temperature, head.weight, block)
+    w_sum = a.new_zeros(n, H)                                        # sum_v exp(z_t(v) - m) W_v
     for j in range(0, head.weight.shape[0], block):
         w = head.weight[j:j + block].float()                                       # (block, H)
         e = a @ w.T                                                                # (n, block)
@@ -329,6 +352,20 @@ def head_kl(h_t, h_s, lse_s, head, temperature, block=None):
     lse_t = m + s.log()
     dot = ((w_sum / s[:, None]) * (h_t.float() - h_s.float())).sum(-1) / temperature
     return (dot + (lse_s - lse_t)).clamp_min_(0.0)  # clamp rounding below 0
+
+
+def rounded_head_kl(a_t, a_s, weight, block):
+    """head_kl's first line, in blocks: a_t, a_s = h_t / T, h_s / T (n, H) fp32 -> D (n,)."""
+    m_t, s_t = a_t.new_full((len(a_t),), -math.inf), a_t.new_zeros(len(a_t))
+    m_s, s_s, acc = m_t.clone(), s_t.clone(), s_t.clone()  # acc: sum_v e_t(v) (z_t(v) - z_s(v))
+    for j in range(0, weight.shape[0], block):
+        w = weight[j:j + block].T                                                  # (H, block)
+        z_t, z_s = mm(a_t, w), mm(a_s, w)                                          # (n, block)
+        diff = z_t - z_s
+        m_t, s_t, decay = fold_block_(m_t, s_t, z_t)                               # z_t: e_t
+        acc = acc * decay + (z_t * diff).sum(-1)
+        m_s, s_s, _ = fold_block_(m_s, s_s, z_s)
+    return (acc / s_t - (m_t + s_t.log()) + (m_s + s_s.log())).clamp_min_(0.0)
 
 
 
@@ -343,7 +380,8 @@ def answer_logprobs(model, prompts, groups, comp_ids, resp_mask, temperature, ch
         h = completion_hidden(model, [prompts[g] for g in groups], comp_ids, resp_mask)
     else:
         h = shared_prefix_hidden(model, [prompts[g] for g in keys], prompt_of, comp_ids, resp_mask)
-    lp = head_logprobs(model.get_output_embeddings(), h, comp_ids[resp_mask], temperature)  # (n,)
+    lp = head_logprobs(model.get_output_embeddings(), h, comp_ids[resp_mask], temperature,
+                       dtype=getattr(model, "autocast_dtype", None))  # bf16: a bf16 head  (n,)
     return torch.zeros(resp_mask.shape, device=comp_ids.device).masked_scatter(resp_mask, lp)
 
 
@@ -362,6 +400,6 @@ def teacher_kl(model, ro, rows, teacher_prompts, prompt_of, comp_ids, resp_mask,
         groups, of = distinct((rows // G).tolist(), comp_ids.device)
         h_s = shared_prefix_hidden(model, [ro.prompts[g] for g in groups], of, comp_ids,
                                    resp_mask)
-        lse_s = head_lse(h_s, head, temperature)
+        lse_s = None  # head_kl takes it from the same (under bf16, rounded) logits as D
     h_t = shared_prefix_hidden(model, teacher_prompts, prompt_of, comp_ids, resp_mask)  # (n, H)
     return head_kl(h_t, h_s, lse_s, head, temperature)

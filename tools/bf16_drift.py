@@ -12,6 +12,7 @@ path without the weight copy (autocast over fp32 weights in every pass, as befor
     python tools/bf16_drift.py --questions 4 --out docs/bf16_drift.json
 """
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -53,7 +54,8 @@ def main(argv=None):
     opt = torch.optim.SGD(model.parameters(), lr=0.0)  # training() needs one; it never steps here
     for name, bf16, copy in (("fp32", False, False), ("bf16", True, True), ("autocast", True, False)):
         models.set_precision(model, bf16, weights_copy=copy)  # autocast: the bf16 path before the copy
-        b, _ = S.self_condition(model, tok, cfg, ro, batch)
+        states = ro if not bf16 else dataclasses.replace(ro, hidden=None, lse=None)  # as a bf16
+        b, _ = S.self_condition(model, tok, cfg, states, batch)  # run: its sampler keeps no states
         with models.training(model, opt, grad_checkpoint=False), torch.no_grad():
             logp, mask = S.answer_logprobs(model, cfg, ro, b)
         active = torch.arange(b.kl.shape[1]) < b.n_active[:, None]
