@@ -2078,6 +2078,17 @@ def test_bench_builds_its_own_random_model_of_a_named_shape():
                        capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT, cwd=HERE)
     assert r.returncode == 2 and "unknown shape" in r.stderr and "Traceback" not in r.stderr
 
+
+def test_bench_floors_hand_computed():
+    """bench.py's floors on a hand-computed case: a body of 100 FLOPs a token, a head of 10; 10
+    prompt tokens, 20 answer tokens, 5 decoding steps; at 1 GFLOP/s. Generation with 1 GB of
+    weights at 10 GB/s reads for 0.5 s, more than its 3,200 FLOPs take: the larger bound is its floor."""
+    import bench
+    tokens = dict(prompts=10, answers=20, decode_steps=5)
+    f = bench.flop_floors((100, 10), tokens, 1.0)
+    assert f == dict(generate=3200e-9, teacher=2200e-9, update=9600e-9)  # 10*100 + 20*110; 20*110; 3(30*100 + 20*10)
+    assert bench.flop_floors((100, 10), tokens, 1.0, 1e9, 10.0) == dict(f, generate=0.5)
+
 # ----------------------------------------------------------------------------- compare.py's studies
 
 def test_compare_rewords_every_held_out_sum_and_keeps_its_answer():

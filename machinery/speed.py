@@ -21,6 +21,8 @@ built from:
   head_logprobs          log_softmax(h @ W.T / T).gather(...) one vocabulary block at a time,
                          with a hand-written backward: no (tokens, V) matrix
   head_kl, head_lse      the teacher's KL and the log-normaliser, likewise in blocks
+  mm                     a product with the LM head in the weights' precision (bf16: each
+                         logit rounded to bf16, as the plain lines' bf16 head rounds it)
 
 and, for the whole process on a CPU, keep_freed_memory (glibc's allocator keeps freed blocks).
 """
@@ -339,10 +341,10 @@ def head_kl(h_t, h_s, lse_s, head, temperature, block=None):
     line stays the KL of the two rounded distributions, where the second would not."""
     n, H = h_t.shape
     a = h_t.float() / temperature
-    m, s = a.new_full((n,), -math.inf), a.new_zeros(n)                           # max, sum e
     block = block or vocab_block(n, a.device)
     if lse_s is None:
         return rounded_head_kl(a, h_s.float() / temperature, head.weight, block)
+    m, s = a.new_full((n,), -math.inf), a.new_zeros(n)                           # max, sum e
     w_sum = a.new_zeros(n, H)                                        # sum_v exp(z_t(v) - m) W_v
     for j in range(0, head.weight.shape[0], block):
         w = head.weight[j:j + block].float()                                       # (block, H)

@@ -124,16 +124,17 @@ def run_ours(args, impl):
     timings = {k: spread([r[k] for r in rows]) for k in ("total", "generate", "teacher", "update")}
     tokens = {k: statistics.mean(r["tokens"][k] for r in rows) for k in rows[0]["tokens"]}
     return dict(impl=impl, path="plain" if args.plain else "fast", **timings, tokens=tokens,
-                per_token=flops_per_token(model.config),
+                per_token=flops_per_token(model.config), params=sum(p.numel() for p in model.parameters()),
                 reward=statistics.mean(r["reward"] for r in rows), updated=min(r["updated"] for r in rows),
                 peak_gib=peak_memory_gib(device))
 
 
 def step_tokens(rollouts):
-    """What one step had to compute, in tokens: its distinct prompts (each prefilled once) and the
-    answers' tokens."""
+    """What one step had to compute, in tokens: its distinct prompts (each prefilled once), the
+    answers' tokens, and the sampler's decoding steps (each reads every weight once)."""
     return dict(prompts=sum(len(p) for ro in rollouts for p in ro.prompts),
-                answers=sum(int(ro.mask.sum()) for ro in rollouts))
+                answers=sum(int(ro.mask.sum()) for ro in rollouts),
+                decode_steps=sum(int(ro.mask.sum(1).max()) for ro in rollouts))
 
 
 def flops_per_token(c):
@@ -144,17 +145,34 @@ def flops_per_token(c):
     return 2 * per_layer * c.num_hidden_layers, 2 * H * V
 
 
-def flop_floors(per_token, tokens, gflops):
+def flop_floors(per_token, tokens, gflops, weight_bytes=0, gbps=math.inf):
     """The least time each phase could take at `gflops` (GFLOP/s of a large matmul here), from the
     FLOPs per token of body and head (flops_per_token), 3x forward for forward plus backward.
     Generation: prompts once, each answer token through body and head. Teacher: the answers through
     body and head (its prompts left out, so this is a lower bound; the student's side comes from
-    the sampler). Update: prompts and answers forward and backward. -> {phase: seconds}"""
+    the sampler). Update: prompts and answers forward and backward. Generation is also bound by
+    memory: each decoding step reads every weight (weight_bytes) once, at gbps GB/s; its floor is
+    the larger of the two. -> {phase: seconds}"""
     body, head = per_token
     p, a = tokens["prompts"], tokens["answers"]
     flops = dict(generate=p * body + a * (body + head), teacher=a * (body + head),
                  update=3 * ((p + a) * body + a * head))
-    return {k: v / (gflops * 1e9) for k, v in flops.items()}
+    floors = {k: v / (gflops * 1e9) for k, v in flops.items()}
+    reads = tokens.get("decode_steps", 0) * weight_bytes / (gbps * 1e9)
+    return dict(floors, generate=max(floors["generate"], reads))
+
+
+def copy_gbps(device, n=2 ** 27):
+    """GB/s of copying one n-element fp32 tensor into another (bytes read plus written): the memory
+    bandwidth the generation floor assumes."""
+    a, b = torch.empty(n, device=device), torch.ones(n, device=device)
+    a.copy_(b)
+    t0, reps = time.time(), 5
+    for _ in range(reps):
+        a.copy_(b)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return 2 * 4 * n * reps / (time.time() - t0) / 1e9
 
 
 def matmul_gflops(dtype, device, n=2048, h=576, f=1536):
@@ -443,9 +461,11 @@ def report(args, results):
     beside its FLOP floor on this machine, and the ratios the issues ask for."""
     device = models.pick_device(args.device)
     rate = {"fp32": matmul_gflops(torch.float32, device), "bf16": matmul_gflops(torch.bfloat16, device)}
+    gbps = copy_gbps(device)
     cell = lambda t: "-" if t is None else f"{t[0]:.2f} ({t[1]:.2f}-{t[2]:.2f})"  # noqa: E731
     print(f"\n{machinery.machine().strip()}, {torch.get_num_threads()} threads; matmul rate here: "
-          f"{rate['fp32']:.0f} GFLOP/s fp32, {rate['bf16']:.0f} bf16")
+          f"{rate['fp32']:.0f} GFLOP/s fp32, {rate['bf16']:.0f} bf16; memory {gbps:.1f} GB/s (generation's floor: "
+          "the larger of its FLOPs and its weight reads, every weight once a decoding step)")
     print(f"{args.prompts_per_step} prompts x {args.group_size} answers x {args.max_new_tokens} new tokens, micro-batch "
           f"{args.micro_batch}, grad checkpoint {args.grad_checkpoint}, model {args.model_name}, {args.steps} timed "
           "steps\n")
@@ -453,8 +473,9 @@ def report(args, results):
           "peak GiB | reward mean |")
     print("|---|---|---|---|---|---|---|---|")
     for r in results.values():
-        floors = (flop_floors(r["per_token"], r["tokens"], rate["bf16" if r["impl"].endswith("@bf16") else "fp32"])
-                  if r["tokens"] else {})
+        bf16 = r["impl"].endswith("@bf16")
+        floors = (flop_floors(r["per_token"], r["tokens"], rate["bf16" if bf16 else "fp32"],
+                              r.get("params", 0) * (2 if bf16 else 4), gbps) if r["tokens"] else {})
         floors = {k: v for k, v in floors.items() if k != "teacher" or r["impl"].startswith("scgrpo")}
         phases = [cell(r[k]) + (f" ({floors[k]:.2f})" if k in floors else "") for k in ("generate", "teacher", "update")]
         print(f"| {r['impl']} | {r['path']} | {cell(r['total'])} | " + " | ".join(phases)
