@@ -9,6 +9,7 @@ the step, save, exit) and the seconds and CUDA memory of each phase of a step.
                                  state.pt: optimizer, random streams, data order, step)
     runs/<name>/final/           the trained model, loadable with from_pretrained
 """
+import ctypes
 import dataclasses
 import json
 import os
@@ -20,7 +21,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from machinery import die, speed, tracking
+from machinery import die, tracking
 from machinery.credit import write_credit_html
 from machinery.models import (CPU_MAX_PARAMS, cuda_status, load_model, logits_are_head_of_hidden,
                               pick_device, set_precision, stop_ids)
@@ -120,6 +121,24 @@ class Phases:
             self.memory[f"mem_{name}_gb"] = peak
 
 
+def keep_freed_memory(device):
+    """On a CPU with glibc: keep freed memory in the process for the next allocation. By default
+    glibc maps each large block (over 128 KB to 32 MB) on its own and unmaps it when freed, so a
+    step's large buffers (the embedding's gradient, AdamW's temporaries, activations) are
+    page-faulted anew at every step: a SmolLM2 update touched 0.7-2.6 GB of fresh pages a step,
+    about a sixth of its time (docs/speed.md). Changes no number, only where memory comes from.
+    -> True if set (elsewhere, or on another allocator, it does nothing)."""
+    if device.type != "cpu":
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt  # glibc and musl have it; macOS has not
+    except (OSError, AttributeError):
+        return False
+    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's malloc.h
+    # no block from mmap (each would be unmapped on free); the heap's top trimmed only past 2 GB
+    return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, 2 ** 31 - 1))
+
+
 class Run:
     """Everything a training run holds besides the algorithm: its data, model and tokenizer
     (from the Config, or from a checkpoint to resume), and, once begin() has them, the
@@ -151,7 +170,7 @@ class Run:
                 "which takes days at this preset; fix CUDA, or pass --device cpu to run it anyway")
         self.model.to(device).eval()  # no dropout: eval and train mode compute the same function
         if cfg.fast:
-            speed.keep_freed_memory(device)  # a CPU's large buffers reused, not page-faulted anew
+            keep_freed_memory(device)  # a CPU's large buffers reused, not page-faulted anew
         if cfg.fast and not logits_are_head_of_hidden(self.model):
             die(f"model {cfg.model!r} computes its logits from more than its LM head (soft-capping "
                 "or a logit scale), which the fast paths leave out; run it with --no-fast")

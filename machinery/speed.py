@@ -23,10 +23,7 @@ built from:
   head_kl, head_lse      the teacher's KL and the log-normaliser, likewise in blocks
   mm                     a product with the LM head in the weights' precision (bf16: each
                          logit rounded to bf16, as the plain lines' bf16 head rounds it)
-
-and, for the whole process on a CPU, keep_freed_memory (glibc's allocator keeps freed blocks).
 """
-import ctypes
 import math
 import os
 
@@ -36,24 +33,6 @@ from transformers.cache_utils import DynamicLayer
 
 from machinery.batching import distinct, left_pad
 from machinery.models import autocast
-
-
-def keep_freed_memory(device):
-    """On a CPU with glibc: keep freed memory in the process for the next allocation. By default
-    glibc maps each large block (over 128 KB to 32 MB) on its own and unmaps it when freed, so a
-    step's large buffers (the embedding's gradient, AdamW's temporaries, activations) are
-    page-faulted anew at every step: a SmolLM2 update touched 0.7-2.6 GB of fresh pages a step,
-    about a sixth of its time (docs/speed.md). Changes no number, only where memory comes from.
-    -> True if set (elsewhere, or on another allocator, it does nothing)."""
-    if device.type != "cpu":
-        return False
-    try:
-        mallopt = ctypes.CDLL(None).mallopt  # glibc and musl have it; macOS has not
-    except (OSError, AttributeError):
-        return False
-    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's malloc.h
-    # no block from mmap (each would be unmapped on free); the heap's top trimmed only past 2 GB
-    return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, 2 ** 31 - 1))
 
 
 def sample_tokens(logits, temperature, gen):

@@ -102,7 +102,7 @@ def run_ours(args, impl):
     model, tok = models.load_model(cfg.model, cfg.seed)
     model.to(device).eval()
     if cfg.fast:  # as a run does (runs.Run)
-        speed.keep_freed_memory(device)
+        runs.keep_freed_memory(device)
     models.set_precision(model, dtype == "bf16")  # bf16: as a --dtype bf16 run (autocast, bf16 copy)
     if cfg.grad_checkpoint:
         model.activation_checkpointing_enable({"use_reentrant": False})

@@ -19,7 +19,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from machinery import at_least, machine, models, speed, tasks  # noqa: E402
+from machinery import at_least, machine, models, runs, speed, tasks  # noqa: E402
 import scgrpo as S  # noqa: E402
 
 MATMUL = ("aten::mm", "aten::bmm", "aten::addmm")
@@ -55,7 +55,7 @@ def main():
     ap.add_argument("--out", default="", help="write the report here as well")
     args = ap.parse_args()
     model, tok = models.load_model(args.model, 0)
-    speed.keep_freed_memory(next(model.parameters()).device)  # as a --fast run does (runs.Run)
+    runs.keep_freed_memory(next(model.parameters()).device)  # as a --fast run does (Run)
     models.set_precision(model, args.dtype == "bf16")
     cfg = S.Config(model=args.model, fast=True, algo="scgrpo", group_size=args.group_size,
                    max_new_tokens=args.max_new_tokens, temperature=0.8,
