@@ -690,11 +690,16 @@ def kl_reference(t, s):
     return F.kl_div(s.log_softmax(-1), t.log_softmax(-1), reduction="none", log_target=True).sum(-1)
 
 
-def test_head_kl_matches_kl_div_and_vanishes_for_identical_states():
-    g = torch.Generator().manual_seed(0)
+def head_and_states(seed):
+    """An LM head of 50 entries over 8 dimensions (N(0, 1) weights) and two sets of 15 states."""
+    g = torch.Generator().manual_seed(seed)
     head = torch.nn.Linear(8, 50, bias=False)
     torch.nn.init.normal_(head.weight, std=1.0, generator=g)
-    h_t, h_s = torch.randn(15, 8, generator=g), torch.randn(15, 8, generator=g)
+    return head, torch.randn(15, 8, generator=g), torch.randn(15, 8, generator=g)
+
+
+def test_head_kl_matches_kl_div_and_vanishes_for_identical_states():
+    head, h_t, h_s = head_and_states(0)
     with torch.no_grad():
         want = kl_reference(head(h_t) / 0.7, head(h_s) / 0.7)
         lse_t, lse_s = torch.logsumexp(head(h_t) / 0.7, -1), torch.logsumexp(head(h_s) / 0.7, -1)
@@ -709,10 +714,7 @@ def test_head_kl_from_both_sides_logits_in_fp32_and_with_bf16_weights():
     built-in's KL of the full logits. bf16 weights (--dtype bf16's copy): the built-in's KL of
     the plain lines' bf16 logits (bf16 inputs, each logit rounded to bf16), to fp32's summation
     tolerance; a rounded D is not an fp32 D (the check that the bf16 path ran)."""
-    g = torch.Generator().manual_seed(2)
-    head = torch.nn.Linear(8, 50, bias=False)
-    torch.nn.init.normal_(head.weight, std=1.0, generator=g)
-    h_t, h_s = torch.randn(15, 8, generator=g), torch.randn(15, 8, generator=g)
+    head, h_t, h_s = head_and_states(2)
     with torch.no_grad():
         want = kl_reference(head(h_t) / 0.7, head(h_s) / 0.7)
         w16 = head.weight.bfloat16()
