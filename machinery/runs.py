@@ -125,8 +125,8 @@ def keep_freed_memory(device):
     """On a CPU with glibc: keep freed memory in the process for the next allocation. By default
     glibc maps each large block (over 128 KB to 32 MB) on its own and unmaps it when freed, so a
     step's large buffers (the embedding's gradient, AdamW's temporaries, activations) are
-    page-faulted anew at every step: a SmolLM2 update touched 0.7-2.6 GB of fresh pages a step,
-    about a sixth of its time (docs/speed.md). Changes no number, only where memory comes from.
+    page-faulted anew at every step: hundreds of thousands of fresh pages a SmolLM2 update, about a
+    tenth of its time (docs/speed.md). Changes no number, only where memory comes from.
     -> True if set (elsewhere, or on another allocator, it does nothing)."""
     if device.type != "cpu":
         return False
