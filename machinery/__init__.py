@@ -40,17 +40,22 @@ def at_least(low):
     return parse
 
 
-def machine():
-    """One line naming the CPU (its bf16 instruction sets) and torch this runs on: the same run
-    re-done on another CPU of the same kind can take another path from its second step, and bf16
-    speed differs between CPU kinds, so studies and benchmarks say where they ran."""
+def cpu_info():
+    """The first CPU's /proc/cpuinfo fields (Linux; elsewhere empty): its name and its flags."""
     try:
-        with open("/proc/cpuinfo") as f:  # Linux; elsewhere: what platform knows
+        with open("/proc/cpuinfo") as f:
             first_cpu = f.read().split("\n\n")[0]
     except OSError:
         first_cpu = ""
     info = dict(line.split(":", 1) for line in first_cpu.splitlines() if ":" in line)
-    info = {k.strip(): v.strip() for k, v in info.items()}
+    return {k.strip(): v.strip() for k, v in info.items()}
+
+
+def machine():
+    """One line naming the CPU (its bf16 instruction sets) and torch this runs on: the same run
+    re-done on another CPU of the same kind can take another path from its second step, and bf16
+    speed differs between CPU kinds, so studies and benchmarks say where they ran."""
+    info = cpu_info()
     flags = info.get("flags", "").split()
     bf16 = [f for f in ("avx512_bf16", "amx_bf16") if f in flags]  # the bf16 kernels
     name = info.get("model name", platform.processor() or platform.machine())

@@ -104,6 +104,8 @@ def run_ours(args, impl):
     if cfg.fast:  # as a run does (runs.Run)
         runs.keep_freed_memory(device)
     models.set_precision(model, dtype == "bf16")  # bf16: as a --dtype bf16 run (autocast, bf16 copy)
+    if cfg.fast:
+        speed.widen_decode_attention(model)
     if cfg.grad_checkpoint:
         model.activation_checkpointing_enable({"use_reentrant": False})
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
