@@ -1091,6 +1091,50 @@ def test_plain_and_fast_samplers_agree(tiny):
         assert mask.all() and ids.shape == (4000, 1)
 
 
+def test_decode_attention_in_fp32_is_softmax_attention_to_bf16_rounding(monkeypatch):
+    """speed.decode_attention_in_fp32 (the bf16 sampler's attention on a CPU without AMX), one
+    query token, 6 query heads over 2 key/value heads (query head j reads key/value head j // 3),
+    padded keys masked per row: a naive softmax attention in float64 on the same bf16 inputs, to
+    the output's rounding to bf16 (2^-8 relative; fp32's sums are far below it). With more query
+    tokens it is transformers' bf16 SDPA, bit for bit. widen_decode_attention sets it on the bf16
+    copy only, not on an AMX CPU nor in fp32, and the sampler's decoding steps then run in fp32."""
+    from types import SimpleNamespace
+    g = torch.Generator().manual_seed(0)
+    B, L, D = 3, 7, 8
+    q, k, v = (torch.randn(B, h, n, D, generator=g).bfloat16() for h, n in ((6, 1), (2, L), (2, L)))
+    keep = torch.ones(B, 1, 1, L, dtype=torch.bool)
+    keep[0, ..., :3] = keep[2, ..., :1] = False                                    # left padding
+    module = SimpleNamespace(num_key_value_groups=3, is_causal=True)
+    got, _ = speed.decode_attention_in_fp32(module, q, k, v, keep, scaling=0.3)    # (B, 1, 6, D)
+    want = torch.zeros(B, 1, 6, D, dtype=torch.float64)
+    for b in range(B):
+        for j in range(6):
+            kk, vv = k[b, j // 3].double(), v[b, j // 3].double()                  # (L, D)
+            s = (kk @ q[b, j, 0].double()) * 0.3
+            s[~keep[b, 0, 0]] = -math.inf
+            want[b, 0, j] = torch.softmax(s, 0) @ vv
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.double(), want, rtol=2 ** -8, atol=1e-6)
+    q3 = torch.randn(B, 6, 3, D, generator=g).bfloat16()                            # a prefill
+    mask3 = keep.expand(B, 1, 3, L).clone()
+    torch.testing.assert_close(speed.decode_attention_in_fp32(module, q3, k, v, mask3)[0],
+                               speed.sdpa_attention_forward(module, q3, k, v, mask3)[0], rtol=0, atol=0)
+    model, tok = models.make_tiny(0)
+    assert not speed.widen_decode_attention(model, flags=[])                        # fp32: no copy
+    models.set_precision(model, True)
+    assert not speed.widen_decode_attention(model, flags=["avx512_bf16", "amx_bf16"])
+    assert model.bf16_copy.config._attn_implementation == "sdpa"
+    assert speed.widen_decode_attention(model, flags=["avx512_bf16"])
+    assert model.config._attn_implementation == "sdpa"                             # the update's
+    assert model.bf16_copy.config._attn_implementation == "sdpa_fp32_decode"
+    seen, real = [], speed.sdpa_attention_forward
+    monkeypatch.setattr(speed, "sdpa_attention_forward",
+                        lambda m, q, *a, **kw: seen.append((q.shape[2], q.dtype)) or real(m, q, *a, **kw))
+    speed.sample(models.no_grad_model(model), [tok("3+4=")["input_ids"]], 2, 3, 1.0, [], 0,
+                 torch.Generator().manual_seed(0))
+    assert {d for n, d in seen if n == 1} == {torch.float32} and {d for n, d in seen if n > 1} == {torch.bfloat16}
+
+
 def test_inverse_cdf_sampler_matches_the_distribution():
     logits = torch.log(torch.tensor([[0.1, 0.0, 0.6, 0.3]]).clamp_min(1e-30)).repeat(20_000, 1)
     want_lse = torch.logsumexp(logits / 0.5, -1)

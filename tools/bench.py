@@ -351,6 +351,35 @@ def rescore_cost(args):
         print(f"KL floor under bf16, student from {name}: P50 {st['kl_p50']:.2e}, P95 {st['kl_p95']:.2e}")
 
 
+def decode_attention_cost(args):
+    """Under --dtype bf16 on a CPU, the sampler's attention at its decoding steps (one query token)
+    in torch's bf16 kernel, or on fp32 copies of its inputs (speed.widen_decode_attention, which
+    a --fast run turns on where the CPU has no AMX). The sampling phase both ways on one batch,
+    alternating, the median of 3 timings; no stop token, so both run every decoding step."""
+    model, tok = models.load_model(args.model, 0)
+    runs.keep_freed_memory(torch.device("cpu"))  # as a --fast run does
+    models.set_precision(model.eval(), True)
+    copy = models.no_grad_model(model)
+    rows = tasks.load_task(S.Config(task="gsm8k" if args.data else "addition", data=args.data or ""))[0][:args.prompts_per_step]
+    prompts = [S.encode_prompt(tok, r["question"]) for r in rows]
+    ways = {"bf16 kernel": "sdpa", "fp32 at decoding steps": "sdpa_fp32_decode"}
+    times, ids = {k: [] for k in ways}, {}
+    for _ in range(3):
+        for name, attention in ways.items():
+            copy.set_attn_implementation(attention)
+            t0 = time.time()
+            ids[name] = speed.sample(copy, prompts, args.group_size, args.max_new_tokens, 0.8, [],
+                                     tok.pad_token_id or 0, torch.Generator().manual_seed(0))[0]
+            times[name].append(time.time() - t0)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    a, b = ids.values()
+    print(f"sampling under --dtype bf16 (fast path), {args.model}, {len(rows)} x {args.group_size} answers "
+          f"x {args.max_new_tokens} tokens: " + ", ".join(f"{k} {v:.2f} s" for k, v in med.items()))
+    print(f"fp32 at decoding steps / bf16 kernel: {med['fp32 at decoding steps'] / med['bf16 kernel']:.2f}")
+    print(f"same seed, same tokens: first token {(a[:, 0] == b[:, 0]).float().mean():.3f}, "
+          f"all tokens {(a == b).float().mean():.3f} (a different draw changes the rest of its answer)")
+
+
 OURS = ("grpo", "scgrpo", "dapo")
 IMPLS = [*OURS, *(f"{a}@bf16" for a in OURS), "trl", "trl@bf16", "trl-scgrpo"]
 
@@ -415,6 +444,8 @@ def main():
                     help="time scgrpo.py's plain lines (--no-fast) instead of the fast path the real-model presets run")
     ap.add_argument("--rescore-cost", action=argparse.BooleanOptionalAction, default=False,
                     help="bf16: teacher phase with and without re-scoring the student (see rescore_cost)")
+    ap.add_argument("--decode-attention-cost", action=argparse.BooleanOptionalAction, default=False,
+                    help="bf16 on a CPU: sampling with each decode attention (see decode_attention_cost)")
     # the same names as scgrpo.py's flags for the same settings
     ap.add_argument("--prompts-per-step", metavar="N", type=at_least(1), default=8, help="prompts per step")
     ap.add_argument("--group-size", metavar="N", type=at_least(2), default=8, help="answers per prompt (G)")
@@ -441,6 +472,8 @@ def main():
         sys.argv[sys.argv.index(args.model)] = args.model = folder
     if args.rescore_cost:
         return rescore_cost(args)
+    if args.decode_attention_cost:
+        return decode_attention_cost(args)
     if args.only:
         run = (run_trl(args, sc=args.only.startswith("trl-scgrpo"), bf16=args.only.endswith("@bf16"))
                if args.only.startswith("trl") else run_ours(args, args.only))
