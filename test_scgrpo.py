@@ -1092,7 +1092,7 @@ def test_plain_and_fast_samplers_agree(tiny):
 
 
 def test_decode_attention_in_fp32_is_softmax_attention_to_bf16_rounding(monkeypatch):
-    """speed.decode_attention_in_fp32 (the bf16 sampler's attention on a CPU without AMX), one
+    """models.decode_attention_in_fp32 (the bf16 sampler's attention on a CPU without AMX), one
     query token, 6 query heads over 2 key/value heads (query head j reads key/value head j // 3),
     padded keys masked per row: a naive softmax attention in float64 on the same bf16 inputs, to
     the output's rounding to bf16 (2^-8 relative; fp32's sums are far below it). With more query
@@ -1105,7 +1105,7 @@ def test_decode_attention_in_fp32_is_softmax_attention_to_bf16_rounding(monkeypa
     keep = torch.ones(B, 1, 1, L, dtype=torch.bool)
     keep[0, ..., :3] = keep[2, ..., :1] = False                                    # left padding
     module = SimpleNamespace(num_key_value_groups=3, is_causal=True)
-    got, _ = speed.decode_attention_in_fp32(module, q, k, v, keep, scaling=0.3)    # (B, 1, 6, D)
+    got, _ = models.decode_attention_in_fp32(module, q, k, v, keep, scaling=0.3)    # (B, 1, 6, D)
     want = torch.zeros(B, 1, 6, D, dtype=torch.float64)
     for b in range(B):
         for j in range(6):
@@ -1117,18 +1117,18 @@ def test_decode_attention_in_fp32_is_softmax_attention_to_bf16_rounding(monkeypa
     torch.testing.assert_close(got.double(), want, rtol=2 ** -8, atol=1e-6)
     q3 = torch.randn(B, 6, 3, D, generator=g).bfloat16()                            # a prefill
     mask3 = keep.expand(B, 1, 3, L).clone()
-    torch.testing.assert_close(speed.decode_attention_in_fp32(module, q3, k, v, mask3)[0],
-                               speed.sdpa_attention_forward(module, q3, k, v, mask3)[0], rtol=0, atol=0)
+    torch.testing.assert_close(models.decode_attention_in_fp32(module, q3, k, v, mask3)[0],
+                               models.sdpa_attention_forward(module, q3, k, v, mask3)[0], rtol=0, atol=0)
     model, tok = models.make_tiny(0)
-    assert not speed.widen_decode_attention(model, flags=[])                        # fp32: no copy
+    assert not models.widen_decode_attention(model, flags=[])                        # fp32: no copy
     models.set_precision(model, True)
-    assert not speed.widen_decode_attention(model, flags=["avx512_bf16", "amx_bf16"])
+    assert not models.widen_decode_attention(model, flags=["avx512_bf16", "amx_bf16"])
     assert model.bf16_copy.config._attn_implementation == "sdpa"
-    assert speed.widen_decode_attention(model, flags=["avx512_bf16"])
+    assert models.widen_decode_attention(model, flags=["avx512_bf16"])
     assert model.config._attn_implementation == "sdpa"                             # the update's
     assert model.bf16_copy.config._attn_implementation == "sdpa_fp32_decode"
-    seen, real = [], speed.sdpa_attention_forward
-    monkeypatch.setattr(speed, "sdpa_attention_forward",
+    seen, real = [], models.sdpa_attention_forward
+    monkeypatch.setattr(models, "sdpa_attention_forward",
                         lambda m, q, *a, **kw: seen.append((q.shape[2], q.dtype)) or real(m, q, *a, **kw))
     speed.sample(models.no_grad_model(model), [tok("3+4=")["input_ids"]], 2, 3, 1.0, [], 0,
                  torch.Generator().manual_seed(0))

@@ -10,8 +10,11 @@ from contextlib import ExitStack, contextmanager, nullcontext
 from copy import deepcopy
 
 import torch
+from transformers import AttentionInterface, AttentionMaskInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import sdpa_mask
 
-from machinery import die
+from machinery import cpu_info, die
 
 CPU_MAX_PARAMS = 300e6  # a larger model on a CPU needs --device cpu (SmolLM2-135M: 8 min)
 MODEL_ALIASES = {name: f"Qwen/{name}-Instruct" for name in
@@ -70,6 +73,36 @@ def no_grad_model(model):
                 c.copy_(p)
         copy.synced = version
     return copy
+
+
+def decode_attention_in_fp32(module, query, key, value, *args, **kwargs):
+    """transformers' SDPA attention; at a decoding step (one query token) with bf16 query, key and
+    value, computed on fp32 copies of them and its output rounded back to bf16. On the AMD EPYC
+    (avx512_bf16, no AMX) torch's bf16 CPU attention kernel took 0.9-1.8 ms at the sampler's shape
+    (32 rows, 1 query, 60-110 keys), fp32's 0.2-0.5 ms with the casts (docs/speed.md).
+    Both accumulate in fp32 and round the output to bf16, so they agree to that rounding."""
+    if query.shape[2] != 1 or query.dtype != torch.bfloat16:
+        return sdpa_attention_forward(module, query, key, value, *args, **kwargs)
+    out, weights = sdpa_attention_forward(module, query.float(), key.float(), value.float(),
+                                          *args, **kwargs)
+    return out.to(query.dtype), weights
+
+
+AttentionInterface.register("sdpa_fp32_decode", decode_attention_in_fp32)
+AttentionMaskInterface.register("sdpa_fp32_decode", sdpa_mask)  # the same masks as "sdpa"
+
+
+def widen_decode_attention(model, flags=None):
+    """--dtype bf16 on a CPU without AMX (flags: the CPU's, from /proc/cpuinfo): the bf16 weight
+    copy (set_precision) decodes with decode_attention_in_fp32. On an AMX CPU torch's bf16
+    kernel was not the slow one (0.2 ms a call in a profile) and nothing changes; the update's
+    attention is left alone (autocast would round its inputs back to bf16). -> True if set."""
+    copy = getattr(model, "bf16_copy", None)
+    flags = cpu_info().get("flags", "").split() if flags is None else flags
+    if copy is None or copy.device.type != "cpu" or "amx_bf16" in flags:
+        return False
+    copy.set_attn_implementation("sdpa_fp32_decode")
+    return True
 
 
 def autocast(model):

@@ -23,9 +23,9 @@ from tqdm import tqdm
 
 from machinery import die, tracking
 from machinery.credit import write_credit_html
-from machinery.speed import widen_decode_attention
 from machinery.models import (CPU_MAX_PARAMS, cuda_status, load_model, logits_are_head_of_hidden,
-                              pick_device, set_precision, stop_ids)
+                              pick_device, set_precision, stop_ids,
+                              widen_decode_attention)
 from machinery.tasks import go_offline_unless_hub_reachable, load_task
 
 
@@ -178,7 +178,7 @@ class Run:
         self.bf16 = cfg.dtype == "bf16" or (cfg.dtype == "auto" and device.type == "cuda")
         set_precision(self.model, self.bf16)  # bf16: autocast in the update, bf16 weights elsewhere
         if cfg.fast:
-            widen_decode_attention(self.model)  # bf16 on a CPU without AMX: decode attention in fp32
+            widen_decode_attention(self.model)  # bf16 without AMX: decoding's attention in fp32
         if cfg.grad_checkpoint:
             self.model.activation_checkpointing_enable({"use_reentrant": False})
         self.eos_ids = stop_ids(self.model, self.tok)

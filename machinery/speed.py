@@ -23,20 +23,14 @@ built from:
   head_kl, head_lse      the teacher's KL and the log-normaliser, likewise in blocks
   mm                     a product with the LM head in the weights' precision (bf16: each
                          logit rounded to bf16, as the plain lines' bf16 head rounds it)
-  widen_decode_attention under --dtype bf16 on a CPU without AMX, the sampler's attention in
-                         fp32 (torch's bf16 CPU attention kernel is slow at one query token)
 """
 import math
 import os
 
 import torch
 
-from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.cache_utils import DynamicLayer
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import sdpa_mask
 
-from machinery import cpu_info
 from machinery.batching import distinct, left_pad
 from machinery.models import autocast
 
@@ -165,36 +159,6 @@ def preallocated(layer, repeats, room):
         layer.batch_repeat_interleave(repeats)
         return layer
     return Preallocated(layer, repeats, room)
-
-
-def decode_attention_in_fp32(module, query, key, value, *args, **kwargs):
-    """transformers' SDPA attention; at a decoding step (one query token) with bf16 query, key and
-    value, computed on fp32 copies of them and its output rounded back to bf16. On the AMD EPYC
-    (avx512_bf16, no AMX) torch's bf16 CPU attention kernel took 0.9-1.8 ms at the sampler's shape
-    (32 rows, 1 query, 60-110 keys) where fp32's took 0.2-0.5 ms, casts included (docs/speed.md).
-    Both accumulate in fp32 and round the output to bf16, so they agree to that rounding."""
-    if query.shape[2] != 1 or query.dtype != torch.bfloat16:
-        return sdpa_attention_forward(module, query, key, value, *args, **kwargs)
-    out, weights = sdpa_attention_forward(module, query.float(), key.float(), value.float(),
-                                          *args, **kwargs)
-    return out.to(query.dtype), weights
-
-
-AttentionInterface.register("sdpa_fp32_decode", decode_attention_in_fp32)
-AttentionMaskInterface.register("sdpa_fp32_decode", sdpa_mask)  # the same masks as "sdpa"
-
-
-def widen_decode_attention(model, flags=None):
-    """--dtype bf16 on a CPU without AMX (flags: the CPU's, from /proc/cpuinfo): the bf16 weight
-    copy (models.set_precision) decodes with decode_attention_in_fp32. On an AMX CPU torch's bf16
-    kernel was not the slow one (0.2 ms a call in a profile) and nothing changes; the update's
-    attention is left alone (autocast would round its inputs back to bf16). -> True if set."""
-    copy = getattr(model, "bf16_copy", None)
-    flags = cpu_info().get("flags", "").split() if flags is None else flags
-    if copy is None or copy.device.type != "cpu" or "amx_bf16" in flags:
-        return False
-    copy.set_attn_implementation("sdpa_fp32_decode")
-    return True
 
 
 def head_logits(h, weight, out):

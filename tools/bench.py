@@ -7,6 +7,8 @@ same model, prompts, group size, answer length, temperature and reward.
         --impls scgrpo
     python tools/bench.py --model SmolLM2-135M --data data/addition --prompts-per-step 4 --max-new-tokens 64 \
         --micro-batch 16 --impls scgrpo scgrpo@bf16                                 # bf16 vs fp32 on a CPU
+    python tools/bench.py --model SmolLM2-135M --data data/addition --prompts-per-step 4 --max-new-tokens 64 \
+        --micro-batch 16 --decode-attention-cost            # bf16 sampling with each decode attention
     python tools/bench.py --gpu-check                  # on a lent GPU: the CUDA-only paths, pass/fail, < 5 min
     python tools/bench.py --gpu-check --small --device cpu    # the same script at toy sizes, on a CPU (a test)
 
@@ -105,7 +107,7 @@ def run_ours(args, impl):
         runs.keep_freed_memory(device)
     models.set_precision(model, dtype == "bf16")  # bf16: as a --dtype bf16 run (autocast, bf16 copy)
     if cfg.fast:
-        speed.widen_decode_attention(model)
+        models.widen_decode_attention(model)
     if cfg.grad_checkpoint:
         model.activation_checkpointing_enable({"use_reentrant": False})
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
@@ -353,7 +355,7 @@ def rescore_cost(args):
 
 def decode_attention_cost(args):
     """Under --dtype bf16 on a CPU, the sampler's attention at its decoding steps (one query token)
-    in torch's bf16 kernel, or on fp32 copies of its inputs (speed.widen_decode_attention, which
+    in torch's bf16 kernel, or on fp32 copies of its inputs (models.widen_decode_attention, which
     a --fast run turns on where the CPU has no AMX). The sampling phase both ways on one batch,
     alternating, the median of 3 timings; no stop token, so both run every decoding step."""
     model, tok = models.load_model(args.model, 0)

@@ -206,10 +206,10 @@ MUTANTS = [
      "grad_w[j:j + ctx.block] -= mm(q.T, h, ctx.dtype).roll(1, 0)",
      ["test_blocked_logprobs_in_bf16_equal_the_bf16_head_and_follow_fp32_gradients"]),
     ("bf16 decode attention in fp32: the key/value heads taken in the wrong order",
-     "machinery/speed.py", "query.float(), key.float(), value.float(),",
+     "machinery/models.py", "query.float(), key.float(), value.float(),",
      "query.float(), key.flip(1).float(), value.flip(1).float(),",
      ["test_decode_attention_in_fp32_is_softmax_attention_to_bf16_rounding"]),
-    ("bf16 decode attention in fp32: turned on for an AMX CPU too", "machinery/speed.py",
+    ("bf16 decode attention in fp32: turned on for an AMX CPU too", "machinery/models.py",
      'copy.device.type != "cpu" or "amx_bf16" in flags:', 'copy.device.type != "cpu":',
      ["test_decode_attention_in_fp32_is_softmax_attention_to_bf16_rounding"]),
 ]

@@ -57,7 +57,7 @@ def main():
     model, tok = models.load_model(args.model, 0)
     runs.keep_freed_memory(next(model.parameters()).device)  # as a --fast run does (Run)
     models.set_precision(model, args.dtype == "bf16")
-    speed.widen_decode_attention(model)  # as a --fast run does
+    models.widen_decode_attention(model)  # as a --fast run does
     cfg = S.Config(model=args.model, fast=True, algo="scgrpo", group_size=args.group_size,
                    max_new_tokens=args.max_new_tokens, temperature=0.8,
                    micro_batch=args.micro_batch)
