@@ -1096,8 +1096,9 @@ def test_decode_attention_in_fp32_is_softmax_attention_to_bf16_rounding(monkeypa
     query token, 6 query heads over 2 key/value heads (query head j reads key/value head j // 3),
     padded keys masked per row: a naive softmax attention in float64 on the same bf16 inputs, to
     the output's rounding to bf16 (2^-8 relative; fp32's sums are far below it). With more query
-    tokens it is transformers' bf16 SDPA, bit for bit. widen_decode_attention sets it on the bf16
-    copy only, not on an AMX CPU nor in fp32, and the sampler's decoding steps then run in fp32."""
+    tokens it passes the inputs to transformers' bf16 SDPA unchanged. widen_decode_attention sets
+    it on the bf16 copy only, only on a CPU with avx512_bf16 and without AMX (the kind measured),
+    never in fp32; the sampler's decoding steps, over padded prompts, then run in fp32."""
     from types import SimpleNamespace
     g = torch.Generator().manual_seed(0)
     B, L, D = 3, 7, 8
@@ -1120,9 +1121,10 @@ def test_decode_attention_in_fp32_is_softmax_attention_to_bf16_rounding(monkeypa
     torch.testing.assert_close(models.decode_attention_in_fp32(module, q3, k, v, mask3)[0],
                                models.sdpa_attention_forward(module, q3, k, v, mask3)[0], rtol=0, atol=0)
     model, tok = models.make_tiny(0)
-    assert not models.widen_decode_attention(model, flags=[])                        # fp32: no copy
+    assert not models.widen_decode_attention(model, flags=["avx512_bf16"])           # fp32: no copy
     models.set_precision(model, True)
     assert not models.widen_decode_attention(model, flags=["avx512_bf16", "amx_bf16"])
+    assert not models.widen_decode_attention(model, flags=["avx2"])                 # unmeasured
     assert model.bf16_copy.config._attn_implementation == "sdpa"
     assert models.widen_decode_attention(model, flags=["avx512_bf16"])
     assert model.config._attn_implementation == "sdpa"                             # the update's
@@ -1130,7 +1132,8 @@ def test_decode_attention_in_fp32_is_softmax_attention_to_bf16_rounding(monkeypa
     seen, real = [], models.sdpa_attention_forward
     monkeypatch.setattr(models, "sdpa_attention_forward",
                         lambda m, q, *a, **kw: seen.append((q.shape[2], q.dtype)) or real(m, q, *a, **kw))
-    speed.sample(models.no_grad_model(model), [tok("3+4=")["input_ids"]], 2, 3, 1.0, [], 0,
+    prompts = [tok("3+4=")["input_ids"], tok("12+7=1")["input_ids"]]               # left-padded
+    speed.sample(models.no_grad_model(model), prompts, 2, 3, 1.0, [], 0,
                  torch.Generator().manual_seed(0))
     assert {d for n, d in seen if n == 1} == {torch.float32} and {d for n, d in seen if n > 1} == {torch.bfloat16}
 

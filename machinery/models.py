@@ -78,9 +78,9 @@ def no_grad_model(model):
 def decode_attention_in_fp32(module, query, key, value, *args, **kwargs):
     """transformers' SDPA attention; at a decoding step (one query token) with bf16 query, key and
     value, computed on fp32 copies of them and its output rounded back to bf16. On the AMD EPYC
-    (avx512_bf16, no AMX) torch's bf16 CPU attention kernel took 0.9-1.8 ms at the sampler's shape
-    (32 rows, 1 query, 60-110 keys), fp32's 0.2-0.5 ms with the casts (docs/speed.md).
-    Both accumulate in fp32 and round the output to bf16, so they agree to that rounding."""
+    (avx512_bf16, no AMX) torch's bf16 CPU attention kernel took 0.9-1.8 ms a call at the
+    sampler's shape (32 rows, 1 query, 60-110 keys), fp32's 0.2-0.46 ms, 0.49-0.54 with the casts
+    at 110 keys (docs/speed.md). Here every sum is fp32 and only the output is rounded to bf16."""
     if query.shape[2] != 1 or query.dtype != torch.bfloat16:
         return sdpa_attention_forward(module, query, key, value, *args, **kwargs)
     out, weights = sdpa_attention_forward(module, query.float(), key.float(), value.float(),
@@ -93,13 +93,15 @@ AttentionMaskInterface.register("sdpa_fp32_decode", sdpa_mask)  # the same masks
 
 
 def widen_decode_attention(model, flags=None):
-    """--dtype bf16 on a CPU without AMX (flags: the CPU's, from /proc/cpuinfo): the bf16 weight
-    copy (set_precision) decodes with decode_attention_in_fp32. On an AMX CPU torch's bf16
-    kernel was not the slow one (0.2 ms a call in a profile) and nothing changes; the update's
+    """--dtype bf16 on a CPU with avx512_bf16 and no AMX, the kind measured (the AMD EPYC; flags:
+    the CPU's, from /proc/cpuinfo): the bf16 weight copy (set_precision) decodes with
+    decode_attention_in_fp32. On an AMX CPU torch's bf16 kernel was not the slow one (0.2 ms a
+    call in a profile), and other CPUs are unmeasured: nothing changes there. The update's
     attention is left alone (autocast would round its inputs back to bf16). -> True if set."""
     copy = getattr(model, "bf16_copy", None)
     flags = cpu_info().get("flags", "").split() if flags is None else flags
-    if copy is None or copy.device.type != "cpu" or "amx_bf16" in flags:
+    measured = "avx512_bf16" in flags and "amx_bf16" not in flags
+    if copy is None or copy.device.type != "cpu" or not measured:
         return False
     copy.set_attn_implementation("sdpa_fp32_decode")
     return True

@@ -327,6 +327,7 @@ def rescore_cost(args):
     answers, 3 of them taken as correct (partial-solve groups), the median of 3 timings."""
     model, tok = models.load_model(args.model, 0)
     models.set_precision(model.eval(), True)
+    models.widen_decode_attention(model)  # its sampler as a --fast run's
     cfg = S.Config(algo="scgrpo", group_size=args.group_size, max_new_tokens=args.max_new_tokens,
                    temperature=0.8, micro_batch=args.micro_batch, fast=not args.plain)
     rows = tasks.load_task(S.Config(task="gsm8k" if args.data else "addition", data=args.data or ""))[0][:args.prompts_per_step]

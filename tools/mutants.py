@@ -210,7 +210,8 @@ MUTANTS = [
      "query.float(), key.flip(1).float(), value.flip(1).float(),",
      ["test_decode_attention_in_fp32_is_softmax_attention_to_bf16_rounding"]),
     ("bf16 decode attention in fp32: turned on for an AMX CPU too", "machinery/models.py",
-     'copy.device.type != "cpu" or "amx_bf16" in flags:', 'copy.device.type != "cpu":',
+     'measured = "avx512_bf16" in flags and "amx_bf16" not in flags',
+     'measured = "avx512_bf16" in flags',
      ["test_decode_attention_in_fp32_is_softmax_attention_to_bf16_rounding"]),
 ]
 
