@@ -88,8 +88,9 @@ def decode_attention_in_fp32(module, query, key, value, *args, **kwargs):
     return out.to(query.dtype), weights
 
 
-AttentionInterface.register("sdpa_fp32_decode", decode_attention_in_fp32)
-AttentionMaskInterface.register("sdpa_fp32_decode", sdpa_mask)  # the same masks as "sdpa"
+DECODE_IN_FP32 = "sdpa_fp32_decode"  # its name among transformers' attention implementations
+AttentionInterface.register(DECODE_IN_FP32, decode_attention_in_fp32)
+AttentionMaskInterface.register(DECODE_IN_FP32, sdpa_mask)  # the same masks as "sdpa"
 
 
 def widen_decode_attention(model, flags=None):
@@ -103,7 +104,7 @@ def widen_decode_attention(model, flags=None):
     measured = "avx512_bf16" in flags and "amx_bf16" not in flags
     if copy is None or copy.device.type != "cpu" or not measured:
         return False
-    copy.set_attn_implementation("sdpa_fp32_decode")
+    copy.set_attn_implementation(DECODE_IN_FP32)
     return True
 
 

@@ -122,6 +122,17 @@ class Phases:
             self.memory[f"mem_{name}_gb"] = peak
 
 
+def set_up_passes(model, device, bf16, fast):
+    """What a run sets up for its passes once the model is on its device: bf16's weight copy and
+    autocast (set_precision), and on the fast path a CPU's freed memory kept and, on the CPU
+    kind measured, bf16 decoding's attention in fp32. bench.py and profile_step.py call it too."""
+    if fast:
+        keep_freed_memory(device)  # a CPU's large buffers reused, not page-faulted anew
+    set_precision(model, bf16)  # bf16: autocast in the update, bf16 weights elsewhere
+    if fast:
+        widen_decode_attention(model)  # bf16 without AMX: decoding's attention in fp32
+
+
 def keep_freed_memory(device):
     """On a CPU with glibc: keep freed memory in the process for the next allocation. By default
     glibc maps each large block (over 128 KB to 32 MB) on its own and unmaps it when freed, so a
@@ -170,15 +181,11 @@ class Run:
             die(f"{self.n_params / 1e6:.0f}M parameters would train on the CPU ({cuda_status()}), "
                 "which takes days at this preset; fix CUDA, or pass --device cpu to run it anyway")
         self.model.to(device).eval()  # no dropout: eval and train mode compute the same function
-        if cfg.fast:
-            keep_freed_memory(device)  # a CPU's large buffers reused, not page-faulted anew
         if cfg.fast and not logits_are_head_of_hidden(self.model):
             die(f"model {cfg.model!r} computes its logits from more than its LM head (soft-capping "
                 "or a logit scale), which the fast paths leave out; run it with --no-fast")
         self.bf16 = cfg.dtype == "bf16" or (cfg.dtype == "auto" and device.type == "cuda")
-        set_precision(self.model, self.bf16)  # bf16: autocast in the update, bf16 weights elsewhere
-        if cfg.fast:
-            widen_decode_attention(self.model)  # bf16 without AMX: decoding's attention in fp32
+        set_up_passes(self.model, device, self.bf16, cfg.fast)
         if cfg.grad_checkpoint:
             self.model.activation_checkpointing_enable({"use_reentrant": False})
         self.eos_ids = stop_ids(self.model, self.tok)

@@ -384,4 +384,3 @@ def teacher_kl(model, ro, rows, teacher_prompts, prompt_of, comp_ids, resp_mask,
         lse_s = None  # head_kl takes it from the same (under bf16, rounded) logits as D
     h_t = shared_prefix_hidden(model, teacher_prompts, prompt_of, comp_ids, resp_mask)  # (n, H)
     return head_kl(h_t, h_s, lse_s, head, temperature)
-

@@ -103,11 +103,7 @@ def run_ours(args, impl):
     train_rows, _ = tasks.load_task(cfg)
     model, tok = models.load_model(cfg.model, cfg.seed)
     model.to(device).eval()
-    if cfg.fast:  # as a run does (runs.Run)
-        runs.keep_freed_memory(device)
-    models.set_precision(model, dtype == "bf16")  # bf16: as a --dtype bf16 run (autocast, bf16 copy)
-    if cfg.fast:
-        models.widen_decode_attention(model)
+    runs.set_up_passes(model, device, dtype == "bf16", cfg.fast)  # as a run does (runs.Run)
     if cfg.grad_checkpoint:
         model.activation_checkpointing_enable({"use_reentrant": False})
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
@@ -320,6 +316,14 @@ def gpu_check(args):
     return 1 if failed else 0
 
 
+def first_questions(args, tok):
+    """The first --prompts-per-step training questions (--data's, or the addition task's) and their
+    encoded prompts: the one batch rescore_cost and decode_attention_cost time."""
+    rows = tasks.load_task(S.Config(task="gsm8k" if args.data else "addition", data=args.data or ""))[0]
+    rows = rows[:args.prompts_per_step]
+    return rows, [S.encode_prompt(tok, r["question"]) for r in rows]
+
+
 def rescore_cost(args):
     """Under --dtype bf16 the teacher pass re-scores the student instead of reading the
     sampler's states (scgrpo.py, note 2). The teacher phase both ways on one batch, on the path a
@@ -330,8 +334,7 @@ def rescore_cost(args):
     models.widen_decode_attention(model)  # its sampler as a --fast run's
     cfg = S.Config(algo="scgrpo", group_size=args.group_size, max_new_tokens=args.max_new_tokens,
                    temperature=0.8, micro_batch=args.micro_batch, fast=not args.plain)
-    rows = tasks.load_task(S.Config(task="gsm8k" if args.data else "addition", data=args.data or ""))[0][:args.prompts_per_step]
-    prompts = [S.encode_prompt(tok, r["question"]) for r in rows]
+    rows, prompts = first_questions(args, tok)
     ids, mask, h, lse = speed.sample(models.no_grad_model(model), prompts, cfg.group_size, cfg.max_new_tokens, 0.8,
                                  models.stop_ids(model, tok), tok.pad_token_id or 0,
                                  torch.Generator().manual_seed(0), keep_states=True)
@@ -360,12 +363,10 @@ def decode_attention_cost(args):
     a --fast run turns on where the CPU has no AMX). The sampling phase both ways on one batch,
     alternating, the median of 3 timings; no stop token, so both run every decoding step."""
     model, tok = models.load_model(args.model, 0)
-    runs.keep_freed_memory(torch.device("cpu"))  # as a --fast run does
-    models.set_precision(model.eval(), True)
+    runs.set_up_passes(model.eval(), torch.device("cpu"), True, fast=True)  # as a --fast run does
     copy = models.no_grad_model(model)
-    rows = tasks.load_task(S.Config(task="gsm8k" if args.data else "addition", data=args.data or ""))[0][:args.prompts_per_step]
-    prompts = [S.encode_prompt(tok, r["question"]) for r in rows]
-    ways = {"bf16 kernel": "sdpa", "fp32 at decoding steps": "sdpa_fp32_decode"}
+    rows, prompts = first_questions(args, tok)
+    ways = {"bf16 kernel": "sdpa", "fp32 at decoding steps": models.DECODE_IN_FP32}
     times, ids = {k: [] for k in ways}, {}
     for _ in range(3):
         for name, attention in ways.items():

@@ -55,9 +55,7 @@ def main():
     ap.add_argument("--out", default="", help="write the report here as well")
     args = ap.parse_args()
     model, tok = models.load_model(args.model, 0)
-    runs.keep_freed_memory(next(model.parameters()).device)  # as a --fast run does (Run)
-    models.set_precision(model, args.dtype == "bf16")
-    models.widen_decode_attention(model)  # as a --fast run does
+    runs.set_up_passes(model, next(model.parameters()).device, args.dtype == "bf16", fast=True)
     cfg = S.Config(model=args.model, fast=True, algo="scgrpo", group_size=args.group_size,
                    max_new_tokens=args.max_new_tokens, temperature=0.8,
                    micro_batch=args.micro_batch)
