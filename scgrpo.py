@@ -118,8 +118,8 @@ class Config:
     max_bad_steps: int = setting(5, "consecutive non-finite steps before the run stops")
     seed: int = setting(0, "seeds python, torch, the sampler, the references and the data order")
     device: str = setting("auto", "auto picks cuda > mps > cpu", ("auto", "cpu", "cuda", "mps"))
-    dtype: str = setting("auto", "bf16 (fp32 weights, bf16 passes), fp32, or auto: bf16 on cuda",
-                         ("auto", "bf16", "fp32"))
+    dtype: str = setting("auto", "bf16 (fp32 master weights, bf16 passes), fp32, or auto: bf16 on "
+                         "cuda and on a bf16 CPU with --fast", ("auto", "bf16", "fp32"))
     out: str = setting("", "run folder; default runs/<model>-<task>-<algo>-s<seed>-<time>")
     fast: bool = setting(False, "machinery/speed.py in place of 3 plain steps: same math, faster")
     eq5_only_step: str = setting("step", "skip (not the paper's): no update when Eq. (5) is a "

@@ -1190,7 +1190,8 @@ def test_teacher_prompt_holds_the_reference_and_student_prompt_does_not(tiny):
 
 def test_tiny_grpo_run_learns_and_saves_a_model(tmp_path):
     out = str(tmp_path / "run")
-    train, evals = run_ok(out, "--algo", "grpo", "--steps", "400", "--eval-every", "400", "--log-every", "100", "--fast")
+    train, evals = run_ok(out, "--algo", "grpo", "--steps", "400", "--eval-every", "400", "--log-every", "100", "--fast",
+                          "--dtype", "fp32")  # the fp32 fast path on every CPU (auto: bf16 on some)
     assert len(train) == 400 and {"step", "reward_mean", "seconds"} <= set(train[0])
     first, last = sum(x["reward_mean"] for x in train[:50]) / 50, sum(x["reward_mean"] for x in train[-50:]) / 50
     assert last > first + 0.1, (first, last)
@@ -1242,7 +1243,8 @@ def check_step_lines(train, algo, B, G, max_rounds=3):
 
 def test_tiny_scgrpo_run_writes_sc_metrics_and_credit_page(tmp_path):
     out = str(tmp_path / "run")
-    train, evals = run_ok(out, "--algo", "scgrpo", "--steps", "300", "--eval-every", "300", "--eval-k", "4", "--fast")
+    train, evals = run_ok(out, "--algo", "scgrpo", "--steps", "300", "--eval-every", "300", "--eval-k", "4", "--fast",
+                          "--dtype", "fp32")
     routed = [x for x in train if x["groups_partial"] + x["groups_none"] > 0]
     assert len(routed) > len(train) // 2
     check_step_lines(train, "scgrpo", 16, 16)
@@ -1479,7 +1481,7 @@ def train_lines(out, after=0):
 
 def test_sigint_then_resume_equals_an_uninterrupted_run(tmp_path):
     args = ["--algo", "scgrpo", "--steps", "60", "--eval-every", "1000", "--eval-k", "0", "--eval-n", "10",
-            "--seed", "3", "--fast"]  # the path that resumes the sampler states too
+            "--seed", "3", "--fast", "--dtype", "fp32"]  # the path that resumes the sampler states too
     ref = str(tmp_path / "ref")
     assert run(*args, "--out", ref, env=ONE_THREAD).returncode == 0
     out = str(tmp_path / "cut")
@@ -1505,7 +1507,8 @@ def test_sigint_then_resume_equals_an_uninterrupted_run(tmp_path):
 
 
 def test_resume_with_more_steps_equals_one_long_run(tmp_path):
-    args = ["--algo", "grpo", "--eval-every", "1000", "--eval-k", "0", "--eval-n", "10", "--seed", "5", "--fast"]
+    args = ["--algo", "grpo", "--eval-every", "1000", "--eval-k", "0", "--eval-n", "10", "--seed", "5", "--fast",
+            "--dtype", "fp32"]
     long_, short = str(tmp_path / "long"), str(tmp_path / "short")
     assert run(*args, "--steps", "40", "--out", long_, env=ONE_THREAD).returncode == 0
     assert run(*args, "--steps", "25", "--out", short, env=ONE_THREAD).returncode == 0
@@ -2045,6 +2048,30 @@ def test_bf16_autocast_run_on_the_cpu(tmp_path):
     assert all(m["t_teacher"] > 0 for m in train if m["groups_partial"] + m["groups_none"])
     with open(str(tmp_path / "run" / "config.json")) as f:
         assert json.load(f)["dtype"] == "bf16"
+
+
+def test_dtype_auto_follows_the_check_and_a_run_keeps_what_it_became(tmp_path, capsys, monkeypatch):
+    """--dtype auto (models.resolve_dtype): bf16 on CUDA and, on the fast path, on a CPU with
+    avx512_bf16 or amx_bf16 (the kinds whose check passed, docs/speed.md); fp32 on the plain lines,
+    on other CPUs and on mps; a named dtype as named. A run saves what auto became (config.json and
+    its checkpoint), so resumed on a CPU without bf16 it stays bf16."""
+    cpu, cuda, mps = torch.device("cpu"), torch.device("cuda"), torch.device("mps")
+    epyc, xeon, old = ["avx512f", "avx512_bf16"], ["avx512_bf16", "amx_bf16", "amx_tile"], ["avx2", "avx512f"]
+    cases = [(("auto", cpu, True, epyc), "bf16"), (("auto", cpu, True, xeon), "bf16"), (("auto", cpu, True, old), "fp32"),
+             (("auto", cpu, False, xeon), "fp32"), (("auto", cuda, False, old), "bf16"), (("auto", mps, True, xeon), "fp32"),
+             (("fp32", cpu, True, epyc), "fp32"), (("bf16", cpu, False, old), "bf16"), (("bf16", mps, True, old), "bf16")]
+    assert [models.resolve_dtype(*args) for args, _ in cases] == [want for _, want in cases]
+    args = ["--steps", "1", "--eval-every", "100", "--eval-n", "2", "--eval-k", "0"]
+    for fast, cpu_flags, want in (("--fast", epyc, "bf16"), ("--no-fast", xeon, "fp32")):
+        monkeypatch.setattr(models, "cpu_info", lambda: {"flags": " ".join(cpu_flags)})
+        out = str(tmp_path / fast.strip("-"))
+        S.main([*args, fast, "--out", out])
+        assert f"on cpu ({want};" in capsys.readouterr().out
+        with open(os.path.join(out, "config.json")) as f:
+            assert json.load(f)["dtype"] == want
+    monkeypatch.setattr(models, "cpu_info", lambda: {"flags": " ".join(old)})  # resumed on another CPU
+    S.main(["--resume", str(tmp_path / "fast"), "--steps", "2"])
+    assert "on cpu (bf16;" in capsys.readouterr().out
 
 
 def test_bf16_update_casts_the_weights_once_per_optimizer_step():
@@ -2653,7 +2680,7 @@ def test_a_killed_study_resumes_its_run_to_the_numbers_of_one_never_stopped(tmp_
     def study(out):
         return [sys.executable, os.path.join("tools", "compare.py"), "--study", "tiny", "--arms", "grpo", "--seeds", "0", "--out", str(out),
                 "--", "--steps", "30", "--save-every", "5", "--eval-every", "1000", "--eval-k", "2", "--eval-n", "10",
-                "--fast"]  # --fast: the path that resumes the sampler states too; --eval-k: no re-evaluation
+                "--fast", "--dtype", "fp32"]  # the fp32 fast path resumes the sampler states too; --eval-k: no re-evaluation
     ref, cut = tmp_path / "ref", tmp_path / "cut"
     r = subprocess.run(study(ref), cwd=HERE, env=ONE_THREAD, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT)
     assert r.returncode == 0, r.stderr[-2000:]

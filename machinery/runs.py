@@ -24,7 +24,7 @@ from tqdm import tqdm
 from machinery import die, tracking
 from machinery.credit import write_credit_html
 from machinery.models import (CPU_MAX_PARAMS, cuda_status, load_model, logits_are_head_of_hidden,
-                              pick_device, set_precision, stop_ids,
+                              pick_device, resolve_dtype, set_precision, stop_ids,
                               widen_decode_attention)
 from machinery.tasks import go_offline_unless_hub_reachable, load_task
 
@@ -184,7 +184,9 @@ class Run:
         if cfg.fast and not logits_are_head_of_hidden(self.model):
             die(f"model {cfg.model!r} computes its logits from more than its LM head (soft-capping "
                 "or a logit scale), which the fast paths leave out; run it with --no-fast")
-        self.bf16 = cfg.dtype == "bf16" or (cfg.dtype == "auto" and device.type == "cuda")
+        # auto made bf16 or fp32 where the device is known; config.json and checkpoints keep it
+        self.cfg = cfg = dataclasses.replace(cfg, dtype=resolve_dtype(cfg.dtype, device, cfg.fast))
+        self.bf16 = cfg.dtype == "bf16"
         set_up_passes(self.model, device, self.bf16, cfg.fast)
         if cfg.grad_checkpoint:
             self.model.activation_checkpointing_enable({"use_reentrant": False})

@@ -286,8 +286,8 @@ def gpu_check(args):
             except RuntimeError as e:  # a kernel that refuses masked or fp32 input is not used by HF
                 report.append((f"{label}", "kernel refused: " + str(e).splitlines()[0][:60], None))
     model.set_attn_implementation("sdpa")
-    models.set_precision(model, device.type == "cuda")  # as Run sets up a --dtype auto run
     cfg = S.Config(**{**S.PRESETS["hub"], "max_new_tokens": 16 if args.small else 512, "lr": 1e-6})
+    models.set_precision(model, models.resolve_dtype("auto", device, cfg.fast) == "bf16")  # as a run
     if cfg.grad_checkpoint:
         model.activation_checkpointing_enable({"use_reentrant": False})
     S.verify = coin_reward

@@ -213,6 +213,14 @@ MUTANTS = [
      'measured = "avx512_bf16" in flags and "amx_bf16" not in flags',
      'measured = "avx512_bf16" in flags',
      ["test_decode_attention_in_fp32_is_softmax_attention_to_bf16_rounding"]),
+    ("--dtype auto: bf16 on a bf16 CPU's plain lines too (not only where the check passed)",
+     "machinery/models.py", 'return "bf16" if on_bf16_cpu and fast else "fp32"',
+     'return "bf16" if on_bf16_cpu else "fp32"',
+     ["test_dtype_auto_follows_the_check_and_a_run_keeps_what_it_became"]),
+    ("--dtype auto: what it became not saved (a run resumed on another CPU changes precision)",
+     "machinery/runs.py", "self.cfg = cfg = dataclasses.replace(cfg, dtype=",
+     "cfg = dataclasses.replace(cfg, dtype=",
+     ["test_dtype_auto_follows_the_check_and_a_run_keeps_what_it_became"]),
 ]
 
 
