@@ -4,6 +4,7 @@ a PyTorch built-in, a hand-computed case, or an uninterrupted run. Offline, CPU 
     python -m pytest -q -n 2 test_scgrpo.py      # two workers (pytest-xdist), one thread each
 """
 import contextlib
+from copy import deepcopy
 import dataclasses
 import glob
 import importlib.util
@@ -1136,6 +1137,62 @@ def test_decode_attention_in_fp32_is_softmax_attention_to_bf16_rounding(monkeypa
     speed.sample(models.no_grad_model(model), prompts, 2, 3, 1.0, [], 0,
                  torch.Generator().manual_seed(0))
     assert {d for n, d in seen if n == 1} == {torch.float32} and {d for n, d in seen if n > 1} == {torch.bfloat16}
+
+
+def test_shared_kv_attention_is_softmax_attention_without_copies(monkeypatch):
+    """models.shared_kv_attention (a --fast run's attention on a CPU): 4 query tokens of 6 query
+    heads over 2 key/value heads (query head j reads key/value head j // 3), causal with left
+    padding per row, against a naive softmax attention in float64 on the same fp32 inputs, to
+    fp32's rounding; one query token or no mask goes to transformers' SDPA unchanged. In a
+    Llama model whose 4 query heads share 2 key/value heads, left-padded, the hidden states and
+    gradients equal the float64 model's with transformers' SDPA to fp32 rounding (transformers'
+    own fp32 attentions come within ~1e-4 of each gradient's scale; a wrong head or mask, O(1)). set_up_passes sets it on a CPU's
+    fast path (on the bf16 copy too), never on the plain lines."""
+    from types import SimpleNamespace
+    from transformers import LlamaConfig, LlamaForCausalLM
+    g = torch.Generator().manual_seed(0)
+    B, n, L, D = 3, 4, 9, 8
+    q, k, v = (torch.randn(B, h, m, D, generator=g) for h, m in ((6, n), (2, L), (2, L)))
+    keep = torch.ones(L, L, dtype=torch.bool).tril()[None, None, -n:].repeat(B, 1, 1, 1)  # (B,1,n,L)
+    keep[0, ..., :3] = keep[2, ..., :1] = False                                    # left padding
+    module = SimpleNamespace(num_key_value_groups=3, is_causal=True)
+    got, _ = models.shared_kv_attention(module, q, k, v, keep, scaling=0.3)        # (B, n, 6, D)
+    want = torch.zeros(B, n, 6, D, dtype=torch.float64)
+    for b in range(B):
+        for j in range(6):
+            for t in range(n):
+                s = (k[b, j // 3].double() @ q[b, j, t].double()) * 0.3
+                s[~keep[b, 0, t]] = -math.inf
+                want[b, t, j] = torch.softmax(s, 0) @ v[b, j // 3].double()
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+    seen, real = [], models.sdpa_attention_forward
+    monkeypatch.setattr(models, "sdpa_attention_forward",
+                        lambda m, q, *a, **kw: seen.append(q.shape[2]) or real(m, q, *a, **kw))
+    models.shared_kv_attention(module, q[:, :, :1], k, v, keep[:, :, :1], scaling=0.3)
+    models.shared_kv_attention(module, q, k, v, None, scaling=0.3)
+    assert seen == [1, n]
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    ids, attn = torch.randint(1, 50, (2, 7)), torch.ones(2, 7, dtype=torch.long)
+    attn[1, :3] = 0
+    states, base = {}, LlamaForCausalLM(cfg)
+    for name, dtype in (("sdpa", torch.float64), (models.SHARED_KV, torch.float32)):
+        model = deepcopy(base).to(dtype)
+        model.set_attn_implementation(name)
+        h = model.model(input_ids=ids, attention_mask=attn).last_hidden_state
+        h[attn.bool()].square().sum().backward()
+        states[name] = (h[attn.bool()].double(), [p.grad.double() for p in model.model.parameters()])
+    (h64, g64), (h32, g32) = states.values()
+    torch.testing.assert_close(h32, h64, rtol=1.3e-6, atol=1e-5)  # fp32's tolerance
+    for a, b in zip(g32, g64):  # fp32 rounding through the backward: ~1e-4 of a tensor's scale
+        torch.testing.assert_close(a, b, rtol=0, atol=2 ** -10 * float(b.abs().max()))
+    tiny, _ = models.make_tiny(0)
+    runs.set_up_passes(tiny, torch.device("cpu"), False, fast=False)
+    assert tiny.config._attn_implementation == "sdpa"                              # plain lines
+    runs.set_up_passes(tiny, torch.device("cpu"), True, fast=True)
+    assert tiny.config._attn_implementation == models.SHARED_KV
+    assert tiny.bf16_copy.config._attn_implementation in (models.SHARED_KV, models.DECODE_IN_FP32)
 
 
 def test_inverse_cdf_sampler_matches_the_distribution():

@@ -75,6 +75,24 @@ def no_grad_model(model):
     return copy
 
 
+def shared_kv_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                        **kwargs):
+    """transformers' SDPA attention, except where it would copy each key/value head once per query
+    head that reads it (repeat_kv: a masked pass of several query tokens in a model whose query
+    heads share key/value heads, as SmolLM2's 9 share 3): there the kernel reads the shared heads
+    itself (enable_gqa), the same sums without the copies. On a CPU only: on CUDA a masked
+    enable_gqa falls back to the slow math kernel. The update's attention took 0.91x the time on
+    the AMD EPYC in bf16 (docs/speed.md). -> (output (B, n, heads, D), None), as transformers'."""
+    if (getattr(module, "num_key_value_groups", 1) == 1 or query.shape[2] == 1
+            or attention_mask is None or set(kwargs) & {"position_bias", "softcap"}):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)  # no copies there already
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling,
+        enable_gqa=True)                                                           # (B, h, n, D)
+    return out.transpose(1, 2).contiguous(), None
+
+
 def decode_attention_in_fp32(module, query, key, value, *args, **kwargs):
     """transformers' SDPA attention; at a decoding step (one query token) with bf16 query, key and
     value, computed on fp32 copies of them and its output rounded back to bf16. On the AMD EPYC
@@ -82,15 +100,27 @@ def decode_attention_in_fp32(module, query, key, value, *args, **kwargs):
     sampler's shape (32 rows, 1 query, 60-110 keys), fp32's 0.2-0.46 ms, 0.49-0.54 with the casts
     at 110 keys (docs/speed.md). Here every sum is fp32 and only the output is rounded to bf16."""
     if query.shape[2] != 1 or query.dtype != torch.bfloat16:
-        return sdpa_attention_forward(module, query, key, value, *args, **kwargs)
+        return shared_kv_attention(module, query, key, value, *args, **kwargs)
     out, weights = sdpa_attention_forward(module, query.float(), key.float(), value.float(),
                                           *args, **kwargs)
     return out.to(query.dtype), weights
 
 
-DECODE_IN_FP32 = "sdpa_fp32_decode"  # its name among transformers' attention implementations
-AttentionInterface.register(DECODE_IN_FP32, decode_attention_in_fp32)
-AttentionMaskInterface.register(DECODE_IN_FP32, sdpa_mask)  # the same masks as "sdpa"
+# their names among transformers' attention implementations, each with the masks of "sdpa"
+SHARED_KV, DECODE_IN_FP32 = "sdpa_shared_kv", "sdpa_fp32_decode"
+for name, fn in ((SHARED_KV, shared_kv_attention), (DECODE_IN_FP32, decode_attention_in_fp32)):
+    AttentionInterface.register(name, fn)
+    AttentionMaskInterface.register(name, sdpa_mask)
+
+
+def share_kv_heads(model):
+    """On a CPU, the model (and its bf16 copy) attend with shared_kv_attention. -> True if set."""
+    if next(model.parameters()).device.type != "cpu":
+        return False
+    for m in (model, getattr(model, "bf16_copy", None)):
+        if m is not None:
+            m.set_attn_implementation(SHARED_KV)
+    return True
 
 
 def widen_decode_attention(model, flags=None):

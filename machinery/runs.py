@@ -24,8 +24,8 @@ from tqdm import tqdm
 from machinery import die, tracking
 from machinery.credit import write_credit_html
 from machinery.models import (CPU_MAX_PARAMS, cuda_status, load_model, logits_are_head_of_hidden,
-                              pick_device, resolve_dtype, set_precision, stop_ids,
-                              widen_decode_attention)
+                              pick_device, resolve_dtype, set_precision, share_kv_heads,
+                              stop_ids, widen_decode_attention)
 from machinery.tasks import go_offline_unless_hub_reachable, load_task
 
 
@@ -124,12 +124,14 @@ class Phases:
 
 def set_up_passes(model, device, bf16, fast):
     """What a run sets up for its passes once the model is on its device: bf16's weight copy and
-    autocast (set_precision), and on the fast path a CPU's freed memory kept and, on the CPU
-    kind measured, bf16 decoding's attention in fp32. bench.py and profile_step.py call it too."""
+    autocast (set_precision), and on the fast path a CPU's freed memory kept, its attention over
+    shared key/value heads without copies and, on the CPU kind measured, bf16 decoding's attention
+    in fp32. bench.py and profile_step.py call it too."""
     if fast:
         keep_freed_memory(device)  # a CPU's large buffers reused, not page-faulted anew
     set_precision(model, bf16)  # bf16: autocast in the update, bf16 weights elsewhere
     if fast:
+        share_kv_heads(model)  # a CPU's attention reads shared key/value heads without copies
         widen_decode_attention(model)  # bf16 without AMX: decoding's attention in fp32
 
 

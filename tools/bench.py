@@ -9,6 +9,8 @@ same model, prompts, group size, answer length, temperature and reward.
         --micro-batch 16 --impls scgrpo scgrpo@bf16                                 # bf16 vs fp32 on a CPU
     python tools/bench.py --model SmolLM2-135M --data data/addition --prompts-per-step 4 --max-new-tokens 64 \
         --micro-batch 16 --decode-attention-cost            # bf16 sampling with each decode attention
+    python tools/bench.py --model SmolLM2-135M --data data/addition --prompts-per-step 8 --max-new-tokens 64 \
+        --micro-batch 16 --shared-kv-cost       # teacher and update with and without repeat_kv's copies
     python tools/bench.py --gpu-check                  # on a lent GPU: the CUDA-only paths, pass/fail, < 5 min
     python tools/bench.py --gpu-check --small --device cpu    # the same script at toy sizes, on a CPU (a test)
 
@@ -366,7 +368,7 @@ def decode_attention_cost(args):
     runs.set_up_passes(model.eval(), torch.device("cpu"), True, fast=True)  # as a --fast run does
     copy = models.no_grad_model(model)
     rows, prompts = first_questions(args, tok)
-    ways = {"bf16 kernel": "sdpa", "fp32 at decoding steps": models.DECODE_IN_FP32}
+    ways = {"bf16 kernel": models.SHARED_KV, "fp32 at decoding steps": models.DECODE_IN_FP32}
     times, ids = {k: [] for k in ways}, {}
     for _ in range(3):
         for name, attention in ways.items():
@@ -382,6 +384,55 @@ def decode_attention_cost(args):
     print(f"fp32 at decoding steps / bf16 kernel: {med['fp32 at decoding steps'] / med['bf16 kernel']:.2f}")
     print(f"same seed, same tokens: first token {(a[:, 0] == b[:, 0]).float().mean():.3f}, "
           f"all tokens {(a == b).float().mean():.3f} (a different draw changes the rest of its answer)")
+
+
+def shared_kv_cost(args):
+    """A --fast run on a CPU attends with models.shared_kv_attention (the kernel reads the shared
+    key/value heads) where transformers' SDPA copies them (repeat_kv). The teacher pass and the
+    update both ways on one batch, in fp32 and bf16: 3 of each group's answers taken as correct
+    (partial-solve groups, SC-GRPO), lr 0 so every repeat sees the same weights; after one untimed
+    round, the median of 3 alternating timings, and the largest difference in the update's loss."""
+    rows_out = []
+    for bf16 in (False, True):
+        model, tok = models.load_model(args.model, 0)
+        runs.set_up_passes(model.eval(), torch.device("cpu"), bf16, fast=True)  # as a --fast run does
+        cfg = S.Config(algo="scgrpo", group_size=args.group_size, max_new_tokens=args.max_new_tokens,
+                       temperature=0.8, micro_batch=args.micro_batch, fast=True, lr=0.0)
+        rows, prompts = first_questions(args, tok)
+        ids, mask, h, lse = speed.sample(models.no_grad_model(model), prompts, cfg.group_size,
+                                         cfg.max_new_tokens, 0.8, models.stop_ids(model, tok),
+                                         tok.pad_token_id or 0, torch.Generator().manual_seed(0),
+                                         keep_states=not bf16)
+        reward = torch.tensor([[1.0] * 3 + [0.0] * (cfg.group_size - 3)] * len(rows))
+        ro = S.Rollout(rows, prompts, ids, mask, batching.decode(tok, ids, mask), reward, reward, h, lse)
+        batch = S.make_batch(ro, ["partial"] * len(rows), S.group_advantages(reward), random.Random(0))
+        batch, _ = S.self_condition(model, tok, cfg, ro, batch)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.0)
+        ways = {"repeat_kv copies": "sdpa", "shared heads": models.SHARED_KV}
+        times, losses = {(k, p): [] for k in ways for p in ("teacher", "update")}, {k: [] for k in ways}
+        for r in range(4):
+            for name, attention in (ways.items() if r % 2 else reversed(ways.items())):
+                for m in (model, getattr(model, "bf16_copy", None) or model):
+                    m.set_attn_implementation(attention)
+                t0 = time.time()
+                partial_teacher_pass(model, tok, cfg, ro)
+                t1 = time.time()
+                losses[name].append(S.update(model, opt, cfg, ro, batch)[0]["loss"])
+                if r:  # round 0 is the warm-up
+                    times[name, "teacher"].append(t1 - t0)
+                    times[name, "update"].append(time.time() - t1)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        diff = max(abs(a - b) for a, b in zip(*losses.values()))
+        rows_out.append(f"| {'bf16' if bf16 else 'fp32'} | {int(mask.sum())} | "
+                        + " | ".join(f"{med[k, p]:.2f}" for p in ("teacher", "update") for k in ways)
+                        + f" | {med['shared heads', 'teacher'] / med['repeat_kv copies', 'teacher']:.3f} | "
+                        f"{med['shared heads', 'update'] / med['repeat_kv copies', 'update']:.3f} | {diff:.1e} |")
+    print(f"\n{machinery.machine().strip()}, {torch.get_num_threads()} threads; {args.model}, "
+          f"{args.prompts_per_step} x {args.group_size} answers x {args.max_new_tokens} tokens, micro-batch "
+          f"{args.micro_batch}, fast path; seconds, median of 3\n")
+    print("| dtype | answer tokens | teacher, copies | teacher, shared | update, copies | update, shared | "
+          "teacher shared/copies | update shared/copies | max loss difference |\n|---|---|---|---|---|---|---|---|---|")
+    print("\n".join(rows_out))
 
 
 OURS = ("grpo", "scgrpo", "dapo")
@@ -450,6 +501,8 @@ def main():
                     help="bf16: teacher phase with and without re-scoring the student (see rescore_cost)")
     ap.add_argument("--decode-attention-cost", action=argparse.BooleanOptionalAction, default=False,
                     help="bf16 on a CPU: sampling with each decode attention (see decode_attention_cost)")
+    ap.add_argument("--shared-kv-cost", action=argparse.BooleanOptionalAction, default=False,
+                    help="a CPU: teacher and update with and without repeat_kv's copies (see shared_kv_cost)")
     # the same names as scgrpo.py's flags for the same settings
     ap.add_argument("--prompts-per-step", metavar="N", type=at_least(1), default=8, help="prompts per step")
     ap.add_argument("--group-size", metavar="N", type=at_least(2), default=8, help="answers per prompt (G)")
@@ -478,6 +531,8 @@ def main():
         return rescore_cost(args)
     if args.decode_attention_cost:
         return decode_attention_cost(args)
+    if args.shared_kv_cost:
+        return shared_kv_cost(args)
     if args.only:
         run = (run_trl(args, sc=args.only.startswith("trl-scgrpo"), bf16=args.only.endswith("@bf16"))
                if args.only.startswith("trl") else run_ours(args, args.only))

@@ -221,6 +221,14 @@ MUTANTS = [
      "machinery/runs.py", "self.cfg = cfg = dataclasses.replace(cfg, dtype=",
      "cfg = dataclasses.replace(cfg, dtype=",
      ["test_dtype_auto_follows_the_check_and_a_run_keeps_what_it_became"]),
+    ("shared key/value heads: the padding mask dropped",
+     "machinery/models.py", "query, key, value, attn_mask=attention_mask, dropout_p=dropout,",
+     "query, key, value, attn_mask=None, dropout_p=dropout,",
+     ["test_shared_kv_attention_is_softmax_attention_without_copies"]),
+    ("shared key/value heads: the output's heads and tokens mixed (reshaped, not transposed)",
+     "machinery/models.py", "return out.transpose(1, 2).contiguous(), None",
+     "return out.reshape(out.shape[0], out.shape[2], out.shape[1], -1), None",
+     ["test_shared_kv_attention_is_softmax_attention_without_copies"]),
 ]
 
 
