@@ -1146,8 +1146,8 @@ def test_shared_kv_attention_is_softmax_attention_without_copies(monkeypatch):
     fp32's rounding; one query token or no mask goes to transformers' SDPA unchanged. In a
     Llama model whose 4 query heads share 2 key/value heads, left-padded, the hidden states and
     gradients equal the float64 model's with transformers' SDPA to fp32 rounding (transformers'
-    own fp32 attentions come within ~1e-4 of each gradient's scale; a wrong head or mask, O(1)). set_up_passes sets it on a CPU's
-    fast path (on the bf16 copy too), never on the plain lines."""
+    own fp32 attentions come within ~1e-4 of each gradient's scale; a wrong head or mask, O(1)).
+    set_up_passes sets it on a CPU's fast path (on the bf16 copy too), never on the plain lines."""
     from types import SimpleNamespace
     from transformers import LlamaConfig, LlamaForCausalLM
     g = torch.Generator().manual_seed(0)

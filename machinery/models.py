@@ -113,13 +113,18 @@ for name, fn in ((SHARED_KV, shared_kv_attention), (DECODE_IN_FP32, decode_atten
     AttentionMaskInterface.register(name, sdpa_mask)
 
 
+def attend_with(model, name):
+    """The model and its bf16 copy (set_precision), if it has one, attend with `name`."""
+    for m in (model, getattr(model, "bf16_copy", None)):
+        if m is not None:
+            m.set_attn_implementation(name)
+
+
 def share_kv_heads(model):
     """On a CPU, the model (and its bf16 copy) attend with shared_kv_attention. -> True if set."""
     if next(model.parameters()).device.type != "cpu":
         return False
-    for m in (model, getattr(model, "bf16_copy", None)):
-        if m is not None:
-            m.set_attn_implementation(SHARED_KV)
+    attend_with(model, SHARED_KV)
     return True
 
 

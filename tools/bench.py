@@ -25,6 +25,7 @@ offline. Without --data the questions are the built-in addition task's.
 """
 import argparse
 import atexit
+import dataclasses
 import json
 import math
 import os
@@ -320,10 +321,22 @@ def gpu_check(args):
 
 def first_questions(args, tok):
     """The first --prompts-per-step training questions (--data's, or the addition task's) and their
-    encoded prompts: the one batch rescore_cost and decode_attention_cost time."""
+    encoded prompts: the one batch rescore_cost, decode_attention_cost and shared_kv_cost time."""
     rows = tasks.load_task(S.Config(task="gsm8k" if args.data else "addition", data=args.data or ""))[0]
     rows = rows[:args.prompts_per_step]
     return rows, [S.encode_prompt(tok, r["question"]) for r in rows]
+
+
+def partial_rollout(args, model, tok, cfg, keep_states):
+    """The first questions' answers, sampled as a --fast run samples them (seed 0, temperature
+    0.8), with 3 of each group's answers taken as correct: the batch rescore_cost and
+    shared_kv_cost time. keep_states: the sampler's hidden states and normalisers kept."""
+    rows, prompts = first_questions(args, tok)
+    ids, mask, h, lse = speed.sample(models.no_grad_model(model), prompts, cfg.group_size, cfg.max_new_tokens, 0.8,
+                                     models.stop_ids(model, tok), tok.pad_token_id or 0,
+                                     torch.Generator().manual_seed(0), keep_states=keep_states)
+    reward = torch.tensor([[1.0] * 3 + [0.0] * (cfg.group_size - 3)] * len(rows))
+    return S.Rollout(rows, prompts, ids, mask, batching.decode(tok, ids, mask), reward, reward, h, lse)
 
 
 def rescore_cost(args):
@@ -336,14 +349,9 @@ def rescore_cost(args):
     models.widen_decode_attention(model)  # its sampler as a --fast run's
     cfg = S.Config(algo="scgrpo", group_size=args.group_size, max_new_tokens=args.max_new_tokens,
                    temperature=0.8, micro_batch=args.micro_batch, fast=not args.plain)
-    rows, prompts = first_questions(args, tok)
-    ids, mask, h, lse = speed.sample(models.no_grad_model(model), prompts, cfg.group_size, cfg.max_new_tokens, 0.8,
-                                 models.stop_ids(model, tok), tok.pad_token_id or 0,
-                                 torch.Generator().manual_seed(0), keep_states=True)
-    reward = torch.tensor([[1.0] * 3 + [0.0] * (cfg.group_size - 3)] * len(rows))
-    texts, ways = batching.decode(tok, ids, mask), {"sampler states": (h, lse), "re-scored": (None, None)}
-    rollouts = {k: S.Rollout(rows, prompts, ids, mask, texts, reward, reward, *v) for k, v in ways.items()}
-    times = {k: [] for k in ways}
+    ro = partial_rollout(args, model, tok, cfg, keep_states=True)
+    rollouts = {"sampler states": ro, "re-scored": dataclasses.replace(ro, hidden=None, lse=None)}
+    times = {k: [] for k in rollouts}
     for _ in range(3):
         for name, ro in rollouts.items():
             t0 = time.time()
@@ -351,8 +359,8 @@ def rescore_cost(args):
             times[name].append(time.time() - t0)
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"teacher phase under --dtype bf16 ({'plain lines' if args.plain else 'fast path'}), "
-          f"{args.model}, {len(rows)} x {cfg.group_size} answers, "
-          f"{int(mask.sum())} tokens: " + ", ".join(f"{k} {v:.2f} s" for k, v in med.items()))
+          f"{args.model_name}, {len(ro.problems)} x {cfg.group_size} answers, "
+          f"{int(ro.mask.sum())} tokens: " + ", ".join(f"{k} {v:.2f} s" for k, v in med.items()))
     print(f"re-scored / sampler states: {med['re-scored'] / med['sampler states']:.2f}")
     for name, ro in rollouts.items():  # the KL floor: the teacher given the student's own prompt
         st = partial_teacher_pass(model, tok, cfg, ro, own_prompt=True)
@@ -398,22 +406,16 @@ def shared_kv_cost(args):
         runs.set_up_passes(model.eval(), torch.device("cpu"), bf16, fast=True)  # as a --fast run does
         cfg = S.Config(algo="scgrpo", group_size=args.group_size, max_new_tokens=args.max_new_tokens,
                        temperature=0.8, micro_batch=args.micro_batch, fast=True, lr=0.0)
-        rows, prompts = first_questions(args, tok)
-        ids, mask, h, lse = speed.sample(models.no_grad_model(model), prompts, cfg.group_size,
-                                         cfg.max_new_tokens, 0.8, models.stop_ids(model, tok),
-                                         tok.pad_token_id or 0, torch.Generator().manual_seed(0),
-                                         keep_states=not bf16)
-        reward = torch.tensor([[1.0] * 3 + [0.0] * (cfg.group_size - 3)] * len(rows))
-        ro = S.Rollout(rows, prompts, ids, mask, batching.decode(tok, ids, mask), reward, reward, h, lse)
-        batch = S.make_batch(ro, ["partial"] * len(rows), S.group_advantages(reward), random.Random(0))
+        ro = partial_rollout(args, model, tok, cfg, keep_states=not bf16)  # bf16 runs re-score
+        batch = S.make_batch(ro, ["partial"] * len(ro.problems), S.group_advantages(ro.reward),
+                             random.Random(0))
         batch, _ = S.self_condition(model, tok, cfg, ro, batch)
         opt = torch.optim.AdamW(model.parameters(), lr=0.0)
         ways = {"repeat_kv copies": "sdpa", "shared heads": models.SHARED_KV}
         times, losses = {(k, p): [] for k in ways for p in ("teacher", "update")}, {k: [] for k in ways}
         for r in range(4):
             for name, attention in (ways.items() if r % 2 else reversed(ways.items())):
-                for m in (model, getattr(model, "bf16_copy", None) or model):
-                    m.set_attn_implementation(attention)
+                models.attend_with(model, attention)
                 t0 = time.time()
                 partial_teacher_pass(model, tok, cfg, ro)
                 t1 = time.time()
@@ -423,11 +425,11 @@ def shared_kv_cost(args):
                     times[name, "update"].append(time.time() - t1)
         med = {k: statistics.median(v) for k, v in times.items()}
         diff = max(abs(a - b) for a, b in zip(*losses.values()))
-        rows_out.append(f"| {'bf16' if bf16 else 'fp32'} | {int(mask.sum())} | "
+        rows_out.append(f"| {'bf16' if bf16 else 'fp32'} | {int(ro.mask.sum())} | "
                         + " | ".join(f"{med[k, p]:.2f}" for p in ("teacher", "update") for k in ways)
                         + f" | {med['shared heads', 'teacher'] / med['repeat_kv copies', 'teacher']:.3f} | "
                         f"{med['shared heads', 'update'] / med['repeat_kv copies', 'update']:.3f} | {diff:.1e} |")
-    print(f"\n{machinery.machine().strip()}, {torch.get_num_threads()} threads; {args.model}, "
+    print(f"\n{machinery.machine().strip()}, {torch.get_num_threads()} threads; {args.model_name}, "
           f"{args.prompts_per_step} x {args.group_size} answers x {args.max_new_tokens} tokens, micro-batch "
           f"{args.micro_batch}, fast path; seconds, median of 3\n")
     print("| dtype | answer tokens | teacher, copies | teacher, shared | update, copies | update, shared | "
