@@ -1,57 +1,27 @@
 """
-SC-GRPO: Self-Conditioned GRPO (Shan et al., arXiv 2606.18810) in one readable file.
+SC-GRPO, Self-Conditioned GRPO (Shan et al., arXiv 2606.18810): one file, read top to bottom.
 
-For each question x we sample a group of G answers and grade them with a rule-based verifier
-(reward 1 if the final number is right). GRPO turns the rewards into one advantage per answer,
-Eq. (1), and gives every token of the answer that same credit. SC-GRPO keeps the advantage but
-reweights the tokens: it shows the same model one of its own *verified* answers tau in the system
-prompt (the teacher, Eq. 4), re-scores the sampled answer in that context, and measures at every
-position how far the next-token distribution moved, D_t = KL(teacher || student). Tokens where
-seeing a correct solution changes the model's mind are the decisions that mattered; f(D) =
-D / (D + c), with c the P75 of D over the step's active tokens (both routes below, pooled), turns
-D into a weight in [0, 1) on that token's clipped GRPO term. Groups with no correct answer get a
-small "diversity" advantage instead, Eq. (5): the teacher holds one of their own wrong answers o_r,
-and an answer goes up or down as its mean f(D) lies above or below its group's (note 15).
-
-Words used below. n_c, a group's number of correct answers, picks its route: partial (2 <= n_c
-< G: tau drawn from the other correct answers), fallback (n_c = 1: plain GRPO, weight 1),
-solve-none (n_c = 0: Eq. 5, the reference o_r drawn from the group), skip (n_c = G). Each other
-answer o_i of a solve-none group is scored over its first L_i = min(|o_i|, |o_r|) tokens: s_i is
-the mean f(D) there. An answer's active tokens are those the teacher scores: all, or the first
-L_i. Baselines: --algo grpo (every weight 1), --algo dapo (GRPO with DAPO's upper clip 0.28,
-groups of equal reward dropped and refilled, a token-level loss mean, a length penalty near the
-cap). The tiny default model reads digits only: its teacher prompt is just reference;question (no
-system prompt, no guide text); the SmolLM2 preset runs the full teacher prompt of Eq. (4).
-
-Where this file simplifies or interprets the paper (docs/notes.md says why, at length):
- 1. c = max(P75(D), c_min) is taken over the active tokens of the whole step, not per micro-batch.
- 2. D is measured once per step with the weights that sampled.
- 3. Solve-none groups: the reference o_r itself gets advantage 0 and no gradient.
- 4. Solve-none groups: tokens past L_i get weight 0 (s_i never saw them); 1/|o_i| stays.
- 5. Solve-none groups: Eq. (5)'s mean and std run over the G-1 answers other than o_r.
- 6. Solve-none groups: o_r goes into the teacher prompt under the same guide text as a verified one.
- 7. Eq. (1) and (5) use the population std; a skipped (all-equal) group still counts in the 1/B.
- 8. DAPO's dynamic sampling drops groups whose shaped rewards are all equal.
- 9. Log-probs and KL use the sampling distribution softmax(z / temperature).
-10. No reference-model KL (beta = 0), a constant learning rate, gradient clipping at 1.0.
-11. The teacher's guide instruction is our own wording (the paper does not publish it).
-12. DAPO refills its batch for at most --dapo-max-rounds = 3 sampling rounds per step.
-13. DAPO's overlong buffer is max_new_tokens // 4 for real models unless given (cli.py), 0 tiny.
-14. A token whose D is not finite gets weight 0 and is left out of c, with a warning.
-15. Eq. (5) as written. The paper reads a high s_i as "unlike o_r"; on the untrained SmolLM2 a
-    copy of o_r outscores 96% of its group (docs/eq5.md). --eq5-score unlike: by token match.
-
-Every line below runs as written unless --fast is on (the real-model presets turn it on): then
-three steps, each marked `if cfg.fast:`, call machinery/speed.py for the same numbers, faster
-(tests hold the two equal). machinery/ holds the rest: flags, data, models, the run folder.
-
-Run it (--help lists every flag and the presets; --resume RUN continues a run; --algo grpo, dapo):
-    python scgrpo.py                                        # tiny model, offline, CPU
-    python scgrpo.py --model SmolLM2-135M --task addition   # real model, offline, CPU, ~8 min
-    python scgrpo.py --model Qwen2.5-0.5B --task gsm8k      # sized for one 24 GB GPU; never run
-    python scgrpo.py --eval-only --model runs/<run>/final   # score a model, no training
+GRPO samples G answers to each question, rewards those a rule-based verifier accepts, and gives
+every token of answer o_i one advantage A_i, Eq. (1). SC-GRPO shows the same model one of its own
+verified answers tau (the teacher, Eq. 4) and weights each token's clipped GRPO term by
+f(D) = D / (D + c), D = KL(teacher || student) at that token (§5.1). A group's route, by n_c, its
+number of correct answers:
+    2 <= n_c < G   partial     tau: a verified answer other than o_i; A_i of Eq. (1), times f(D)
+    n_c = 1        fallback    plain GRPO, weight 1 (no second verified answer to learn from)
+    n_c = 0        solve-none  tau = o_r, one of its own answers; alpha * A_div_i of Eq. (5)
+    n_c = G        skip        every advantage is 0: no gradient
+Indices: b a question (B a step); n a Rollout row, answer n % G to question n // G; m a Batch row,
+one of the M answers that get a gradient. --algo grpo is GRPO: every weight 1, no teacher.
+Where we interpret the paper (docs/notes.md says why): 1. c over the step's active tokens. 2. D
+measured once a step. 3. o_r gets no gradient. 4. Solve-none tokens past L_i = min(|o_i|, |o_r|)
+weigh 0. 5. Eq. (5) over the G - 1 answers other than o_r. 6. o_r under the same guide text.
+7. Population std. 8. Log-probs and KL at softmax(z / T). 9. No reference KL, a constant lr,
+clipping at 1.0. 10. Our guide wording. 11. A non-finite D weighs 0. 12. Eq. (5) as written.
+Fork seams (variants/): main(Config=, step=), teacher_prompts, Batch.weights, update(loss_of=).
+Run: python scgrpo.py (tiny model, CPU, ~7 min); --model SmolLM2-135M --task addition (CPU,
+~8 min); --model Qwen2.5-0.5B --task gsm8k (one GPU). --fast (on in the real-model presets) swaps
+three plain steps, marked `if cfg.fast:`, for their equals in machinery/speed.py.
 """
-import difflib
 import math
 import random
 import re
@@ -64,33 +34,32 @@ from torch.nn.utils import clip_grad_norm_
 from tqdm import tqdm
 
 from machinery import speed  # the fast equals of three plain steps below (--fast)
-from machinery.batching import (decode, distinct, join, left_pad, micro_batches, pack,
-                                select_groups, take_rows)
+from machinery.batching import decode, distinct, left_pad, micro_batches, pack, take_rows
 from machinery.cli import parse_config  # flags -> Config: preset, then explicit flags; checks
 from machinery.credit import credit_examples  # the answers shown on the credit page
 from machinery.models import TINY_TEMPLATE, autocast, no_grad_model, training
-from machinery.runs import Phases, Run, UpdateLog, kl_metrics, step_metrics  # the run folder, logs
+from machinery.metrics import Phases, UpdateLog, kl_metrics, step_metrics  # what a step logs
+from machinery.runs import Run  # the run folder: logs, checkpoints, resume
 from machinery.tasks import Batcher, last_boxed
-# Bookkeeping: left_pad(token lists) -> ids, mask (B, P), padded on the left so every prompt ends
-# in the last column; decode -> texts; pack(rollout, rows[, n]) -> ids, mask (b, L) of those answers
-# (their first n tokens); distinct(keys) -> (distinct keys, each key's index among them); join,
-# select_groups, take_rows: concatenate or pick rows; autocast: bf16 if --dtype asks.
+# Bookkeeping: left_pad(token lists) -> ids, mask (B, P), each prompt ending in the last column;
+# pack(rollout, rows[, n]) -> ids, mask (b, L) of those answers (their first n tokens).
 
 # Config -------------------------------------------------------------------------------------------
 
-def setting(default, help, choices=None):
-    """A Config field: its default, its --help text (unit, why this default), allowed values."""
-    return field(default=default, metadata={"help": help, "choices": choices})
+def setting(default, help, choices=None, rule=None):
+    """A Config field: its default, its --help text (unit, why this default), allowed values, and
+    a rule (test(value, cfg), the rule in words) that machinery/cli.py checks before a run."""
+    return field(default=default, metadata={"help": help, "choices": choices, "rule": rule})
 
 
 @dataclass
 class Config:
-    """Every setting of a run, saved with it; PRESETS, then the flags given, beat these defaults."""
+    """The settings of an SC-GRPO (or GRPO) run; the model's PRESETS, then flags, beat defaults."""
     model: str = setting("tiny", "tiny (built in), SmolLM2-135M, a .gguf, Qwen2.5-0.5B, a hub id")
     task: str = setting("arith", "gsm8k (hub), or offline: arith (a+b=), addition (sums in words)",
                         ("gsm8k", "arith", "addition"))
     data: str = setting("", "local folder with train.jsonl / test.jsonl in GSM8K's schema")
-    algo: str = setting("scgrpo", "the method or a baseline", ("scgrpo", "grpo", "dapo"))
+    algo: str = setting("scgrpo", "the method, or GRPO (every weight 1)", ("scgrpo", "grpo"))
     steps: int = setting(200, "training steps (each ppo_epochs optimizer updates)")
     prompts_per_step: int = setting(8, "questions per update; paper: 8")
     group_size: int = setting(8, "G answers per question; paper: 8")
@@ -98,8 +67,7 @@ class Config:
     temperature: float = setting(1.0, "sampling temperature, also used to score log-probs and KL")
     lr: float = setting(1e-6, "AdamW learning rate; paper: 1e-6")
     weight_decay: float = setting(0.0, "AdamW weight decay; RL fine-tuning usually uses none")
-    epsilon: float = setting(0.2, "PPO clip range; also the upper one unless --epsilon-high, dapo")
-    epsilon_high: float = setting(0.0, "upper clip; 0 means = epsilon (dapo: 0.28, clip-higher)")
+    epsilon: float = setting(0.2, "PPO clip range: the ratio is clipped to [1 - eps, 1 + eps]")
     ppo_epochs: int = setting(1, "mu: optimizer steps per sampled batch; >1 keeps old log-probs")
     micro_batch: int = setting(8, "answers per forward/backward; gradients are accumulated")
     max_grad_norm: float = setting(1.0, "gradient clipping; paper silent, 1.0 the common default")
@@ -107,8 +75,6 @@ class Config:
     c_min: float = setting(1e-4, "floor of c in f(D) = D / (D + c); paper: 1e-4")
     kl_quantile: float = setting(0.75, "c = quantile of D over active tokens; paper: P75")
     alpha_div: float = setting(0.1, "scale of the solve-none advantage, Eq. (5); paper: 0.1")
-    overlong_buffer: int = setting(0, "dapo: length penalty in the last N tokens of the cap; 0 off")
-    dapo_max_rounds: int = setting(3, "dapo: sampling rounds per step to refill dropped groups")
     eval_every: int = setting(25, "steps between evaluations (also at step 0 and at the end)")
     eval_n: int = setting(200, "test questions in the fixed evaluation subset")
     eval_k: int = setting(8, "samples per question for Avg@k / Pass@k; 0 disables; paper: 8")
@@ -122,12 +88,6 @@ class Config:
                          "cuda and on a bf16 CPU with --fast", ("auto", "bf16", "fp32"))
     out: str = setting("", "run folder; default runs/<model>-<task>-<algo>-s<seed>-<time>")
     fast: bool = setting(False, "machinery/speed.py in place of 3 plain steps: same math, faster")
-    eq5_only_step: str = setting("step", "skip (not the paper's): no update when Eq. (5) is a "
-                                 "step's only gradient", ("step", "skip"))
-    eq5_window: str = setting("paper", "group (not the paper's): Eq. (5) scores every answer over "
-                              "the group's shortest one", ("paper", "group"))
-    eq5_score: str = setting("kl", "unlike (not the paper's): Eq. (5) pushes up the answers least "
-                             "like o_r by token match, not those of highest f(D)", ("kl", "unlike"))
     log_update_size: bool = setting(False, "log ||delta theta|| / ||theta|| (holds a weight copy)")
     report_to: str = setting("none", "a tracker too", ("none", "tensorboard", "wandb", "trackio"))
     eval_only: bool = setting(False, "evaluate --model (a hub id, .gguf or folder) and stop")
@@ -189,7 +149,7 @@ def verify(completion, gold):
 
 SYSTEM_PROMPT = ("Solve the math problem step by step. Give the final answer as a number in "
                  "\\boxed{}.")
-# the guide text, our wording (note 11); a solve-none o_r, a wrong answer, gets it too (note 6)
+# the guide text, our wording (note 10); a solve-none o_r, a wrong answer, gets it too (note 6)
 GUIDE = ("\n\nBelow is a solution to this problem that was checked and is correct. Use it to "
          "guide your reasoning, then write your own complete solution.\n\nChecked solution:\n")
 
@@ -209,19 +169,18 @@ def encode_prompt(tok, question, reference=None):
                                    enable_thinking=False)
     return tok(text, add_special_tokens=False)["input_ids"]
 
-# Sampling: G answers per question, graded into a Rollout ------------------------------------------
+# Sampling by level: tokens (sample) -> answers (sample_answers) -> groups (sample_groups) ---------
 
 @dataclass
 class Rollout:
-    """G graded answers to each of B questions; row j of the (N, L) tensors, N = B * G, is
-    answer j % G to question j // G. hidden and lse: see speed.teacher_kl (--fast only)."""
+    """G graded answers to each of B questions; row n of the (N, L) tensors, N = B * G, is
+    answer n % G to question n // G. hidden and lse: see speed.teacher_kl (--fast only)."""
     problems: list                # B task dicts {'question', 'answer'}
     prompts: list                 # B student prompts, token-id lists
     ids: torch.Tensor             # (N, L) answer tokens, padding after the end
     mask: torch.Tensor            # (N, L) bool, True up to and including the first EOS
     texts: list                   # N decoded answers
-    correct: torch.Tensor         # (B, G) 1.0 where the verifier accepts the answer
-    reward: torch.Tensor          # (B, G) correct, plus DAPO's overlong penalty
+    correct: torch.Tensor         # (B, G) the reward r: 1.0 where the verifier accepts the answer
     hidden: torch.Tensor = None   # (N, L, H) the student's final hidden states
     lse: torch.Tensor = None      # (N, L) the student's log sum_v exp(z_v / T)
 
@@ -236,9 +195,9 @@ class Rollout:
 
 @torch.no_grad()
 def sample(model, prompts, n, max_new, temperature, eos_ids, pad_id, gen):
-    """n answers to each prompt, plainly: each step runs the whole sequence so far (no KV cache)
-    and draws the next token from softmax(logits / T), the distribution the loss scores (no top-k
-    or top-p); T = 0 is greedy. -> ids (N, L) padded with pad_id, mask (N, L) True to 1st EOS."""
+    """n answers to each prompt, token by token: each step runs the whole sequence (no KV cache)
+    and draws from softmax(logits / T), the distribution the loss scores (no top-k or top-p);
+    T = 0 is greedy. -> ids (N, L) padded with pad_id, mask (N, L) True up to the first EOS."""
     device = next(model.parameters()).device
     ids, attn = left_pad([p for p in prompts for _ in range(n)], pad_id, device)   # (N, P)
     N, P = ids.shape
@@ -263,8 +222,8 @@ def sample(model, prompts, n, max_new, temperature, eos_ids, pad_id, gen):
 
 
 def sample_answers(model, cfg, prompts, n, temperature, eos_ids, pad_id, gen, keep_states=False):
-    """sample(), or speed.sample with --fast. -> ids, mask (N, L), and the student's states
-    (speed.teacher_kl reuses them: --fast, keep_states, fp32) or None, None."""
+    """n answers to each prompt: sample(), or speed.sample with --fast. -> ids, mask (N, L), and
+    the student's states (speed.teacher_kl reuses them: --fast, keep_states, fp32) or None, None."""
     fp32 = getattr(model, "autocast_dtype", None) is None  # bf16 passes round apart: not kept
     args = (no_grad_model(model), prompts, n, cfg.max_new_tokens, temperature, eos_ids, pad_id, gen)
     if cfg.fast:  # speed.sample in place of sample(): a KV cache and inverse-CDF draws
@@ -272,29 +231,17 @@ def sample_answers(model, cfg, prompts, n, temperature, eos_ids, pad_id, gen, ke
     return (*sample(*args), None, None)
 
 
-def overlong_penalty(lengths, max_len, buffer):
-    """DAPO's soft overlong shaping: 0 up to max_len - buffer, then linearly down to -1 at
-    max_len. lengths (any shape) -> penalties (same shape)."""
-    return ((max_len - buffer - lengths.float()) / buffer).clamp(-1.0, 0.0)
-
-
-def rollout(model, tok, cfg, problems, gen, eos_ids):
-    """Sample G answers to each question and grade them. -> Rollout"""
-    G = cfg.group_size
+def sample_groups(model, tok, cfg, problems, n, temperature, gen, eos_ids, keep_states=False):
+    """A group of n answers to each question, decoded and verified. -> Rollout (G = n)"""
     prompts = [encode_prompt(tok, p["question"]) for p in problems]
-    ids, mask, hidden, lse = sample_answers(model, cfg, prompts, G, cfg.temperature, eos_ids,
-                                            tok.pad_token_id, gen, keep_states=cfg.algo == "scgrpo")
+    ids, mask, hidden, lse = sample_answers(model, cfg, prompts, n, temperature, eos_ids,
+                                            tok.pad_token_id, gen, keep_states)
     texts = decode(tok, ids, mask)
-    correct = torch.tensor([verify(t, problems[j // G]["answer"]) for j, t in enumerate(texts)])
-    correct = correct.view(-1, G).float()                                          # (B, G)
-    reward = correct.clone()                                                       # (B, G)
-    if cfg.algo == "dapo" and cfg.overlong_buffer:
-        lengths = mask.sum(1).cpu().view(-1, G)
-        reward += overlong_penalty(lengths, cfg.max_new_tokens, cfg.overlong_buffer)
+    correct = torch.tensor([verify(t, problems[j // n]["answer"]) for j, t in enumerate(texts)])
     return Rollout(problems=problems, prompts=prompts, ids=ids, mask=mask, texts=texts,
-                   correct=correct, reward=reward, hidden=hidden, lse=lse)
+                   correct=correct.view(-1, n).float(), hidden=hidden, lse=lse)
 
-# Group advantages and routing ---------------------------------------------------------------------
+# Group advantages, routes and references ----------------------------------------------------------
 
 def group_advantages(rewards):
     """Group-relative advantages. rewards (B, G) -> (B, G); a group whose rewards are all
@@ -306,34 +253,28 @@ def group_advantages(rewards):
 
 
 def route_groups(rewards, algo):
-    """Route of each group from its rewards (B, G) -> list of B str.
-    grpo/dapo: 'skip' if all rewards are equal (zero advantage), else 'grpo'.
-    scgrpo, by n_c, the number of correct answers:
-      2 <= n_c < G  'partial'     teacher-weighted, a verified answer as reference
-      n_c = 0       'solve_none'  diversity advantage, Eq. (5)
-      n_c = 1       'fallback'    plain GRPO (no second verified answer; paper: entropy collapse)
-      n_c = G       'skip'        zero advantage"""
+    """Each group's route from its rewards (B, G) -> B str. scgrpo: by n_c, the header's table
+    (n_c = 1 through the teacher collapsed entropy in the paper). grpo: 'skip' or 'grpo'."""
     G, routes = rewards.shape[1], []
     for group in rewards:                                                          # (G,)
         n_c = int((group > 0.5).sum())
-        if algo != "scgrpo":
+        if algo == "grpo":
             routes.append("skip" if bool((group == group[0]).all()) else "grpo")
         else:
             routes.append({0: "solve_none", 1: "fallback", G: "skip"}.get(n_c, "partial"))
     return routes
 
 
-def pick_references(correct, route, rng, usable=None):
+def pick_references(correct, route, rng):
     """Reference tau for each answer of one group: list of G indices or None.
     partial: uniform over the group's verified answers, never the answer itself.
-    solve_none: one answer o_r drawn uniformly serves every other answer; o_r itself gets None.
-    usable (G bools, default all): answers that may be a reference (trl_scgrpo.py passes it)."""
-    G, usable = len(correct), usable or [True] * len(correct)
+    solve_none: one answer o_r drawn uniformly serves every other answer; o_r itself gets None."""
+    G = len(correct)
     if route == "partial":
-        good = [j for j in range(G) if correct[j] and usable[j]]
+        good = [j for j in range(G) if correct[j]]
         return [rng.choice([j for j in good if j != i]) for i in range(G)]
     if route == "solve_none":
-        r = rng.choice([i for i in range(G) if usable[i]])                        # o_r's index
+        r = rng.choice(range(G))                                                   # o_r's index
         return [None if i == r else r for i in range(G)]
     return [None] * G
 
@@ -341,17 +282,17 @@ def pick_references(correct, route, rng, usable=None):
 @dataclass
 class Batch:
     """The M answers that get a gradient this step, in rollout order (skipped groups and each
-    solve-none reference o_r left out; measure_kl and update visit them in their own orders).
-    Every per-answer quantity is a row, so a micro-batch is a slice, batch[i:j]. make_batch sets
-    kl 0, weights 1, adv Eq. (1); self_condition returns a copy with kl, f(D), Eq. (5) set."""
-    row: torch.Tensor       # (M,) long, the answer's row in the rollout
-    question: torch.Tensor  # (M,) long, its question b in the rollout: row // G
+    solve-none o_r left out). Every per-answer quantity is a row, so a micro-batch is a slice,
+    batch[i:j]. make_batch sets kl 0, weights 1, adv Eq. (1); the teacher returns copies."""
+    row: torch.Tensor       # (M,) long, the answer's row n in the rollout
+    question: torch.Tensor  # (M,) long, its question b in the rollout: n // G
     ref: torch.Tensor       # (M,) long, the rollout row of its reference (tau or o_r); -1: none
     route: list             # M routes: 'grpo', 'partial', 'solve_none' or 'fallback'
     adv: torch.Tensor       # (M,) A_i of Eq. (1), or alpha * A_div_i of Eq. (5) if solve-none
     n_active: torch.Tensor  # (M,) its active tokens: all |o_i|, or L_i if solve-none (note 4)
+    norm: torch.Tensor      # (M,) J's normaliser of each of its tokens: 1 / (B G |o_i|)
     kl: torch.Tensor        # (M, L) D_it; 0 where not scored
-    weights: torch.Tensor   # (M, L) f(D_it); 1 on each answer token for GRPO, DAPO, 'fallback'
+    weights: torch.Tensor   # (M, L) f(D_it); 1 on each answer token for GRPO and 'fallback'
 
     @property
     def scored(self):       # (R,) the rows whose answer a teacher scores: those with a reference
@@ -361,32 +302,33 @@ class Batch:
         return take_rows(self, torch.arange(len(self.route))[k])
 
 
-def make_batch(ro, routes, adv, rng, usable=None, window="paper"):
-    """One row per answer that gets a gradient: its advantage, unit weights, and on SC-GRPO's
-    routes its reference and active length. ro: Rollout; routes: B str; adv, usable (B, G).
-    -> Batch (kl still 0: self_condition measures it)"""
+def make_batch(ro, routes, adv, refs):
+    """One row per answer that gets a gradient: its advantage, unit weights, the normaliser of
+    J and, on SC-GRPO's routes, its reference and active length. ro: Rollout; routes: B str;
+    adv (B, G); refs: each group's G references (pick_references). -> Batch (kl still 0)"""
     G, lengths = ro.G, ro.lengths                                                  # (B, G)
     row, ref, route, n_active = [], [], [], []
-    for b, group_route in enumerate(routes):
+    for b, (group_route, group_refs) in enumerate(zip(routes, refs)):
         if group_route == "skip":
             continue
-        ok = None if usable is None else usable[b].tolist()
-        for i, j in enumerate(pick_references(ro.correct[b].bool().tolist(), group_route, rng, ok)):
+        for i, j in enumerate(group_refs):
             if group_route == "solve_none" and j is None:
                 continue  # o_r, the solve-none reference itself: advantage 0, no gradient (note 3)
-            L_i = int(lengths[b, i])  # active tokens: the whole answer, or if solve-none ...
-            if group_route == "solve_none":  # ... its first L_i = min(|o_i|, |o_r|) (note 4);
-                # --eq5-window group (not the paper's): the group's shortest answer, o_r included
-                L_i = int(lengths[b].min()) if window == "group" else min(L_i, int(lengths[b, j]))
+            L_i = int(lengths[b, i])  # active tokens: the whole answer, or if solve-none its
+            if group_route == "solve_none":  # first L_i = min(|o_i|, |o_r|) (note 4)
+                L_i = min(L_i, int(lengths[b, j]))
             row.append(b * G + i)
             ref.append(-1 if j is None else b * G + j)
             route.append(group_route)
             n_active.append(L_i)
     row = torch.tensor(row, dtype=torch.long)                                       # (M,)
     mask = ro.mask[row]                                                             # (M, L)
+    # J (§5.1) = 1/B sum_b 1/G sum_i 1/|o_i| sum_t ...: 1 / (B G |o_i|) on each token of o_i;
+    # a skipped group still counts in B (note 7)
+    norm = (1.0 / (len(routes) * G * lengths.view(-1)[row].double())).float()      # (M,)
     return Batch(row=row, question=row // G, ref=torch.tensor(ref, dtype=torch.long), route=route,
                  adv=adv.reshape(-1)[row], n_active=torch.tensor(n_active, dtype=torch.long),
-                 kl=torch.zeros(mask.shape, device=mask.device), weights=mask.float())
+                 norm=norm, kl=torch.zeros(mask.shape, device=mask.device), weights=mask.float())
 
 # Scoring answers: the plain forward behind the update's log-probs and the teacher's KL ------------
 
@@ -414,54 +356,74 @@ def answer_logprobs(model, cfg, ro, mb):
     lp = F.log_softmax(logits / cfg.temperature, -1).gather(-1, ids[..., None])   # (b, L, 1)
     return lp.squeeze(-1).masked_fill(~mask, 0.0), mask
 
-# The self-conditioned teacher, in three steps: D per token, f(D) with c, Eq. (5) ------------------
+# The self-conditioned teacher: its prompts, D per token, f(D) with c, Eq. (5) ---------------------
+
+def teacher_prompts(tok, ro, batch):
+    """Eq. (4)'s prompt for each reference the batch uses: {rollout row j: token ids of its
+    question with answer j as tau}. A fork's teacher (a gold solution, other wording) goes here."""
+    return {j: encode_prompt(tok, ro.problems[j // ro.G]["question"], ro.texts[j])
+            for j in batch.ref.unique().tolist() if j >= 0}
+
 
 @torch.no_grad()
-def teacher_kl(model, cfg, ro, rows, teacher_prompts, prompt_of, ids, active):
+def teacher_kl(model, cfg, ro, rows, prompts, prompt_of, ids, active):
     """D_it = KL(teacher || student) at the n active tokens of the answers `rows` (b,): the teacher
-    (the same model, a reference in its prompt, Eq. 4) scores the same tokens. teacher_prompts:
-    the distinct ones, prompt_of (b,) each answer's; ids, active (b, L). -> D (n,), row by row"""
+    (the same model, a reference in its prompt, Eq. 4) scores the same tokens. prompts: the
+    distinct teacher prompts, prompt_of (b,) each answer's; ids, active (b, L). -> D (n,)"""
     model = no_grad_model(model)  # --dtype bf16: the bf16 weights (no gradient flows here)
     if cfg.fast:  # speed.teacher_kl in place of the five statements below
-        return speed.teacher_kl(model, ro, rows, teacher_prompts, prompt_of, ids, active,
-                                cfg.temperature)
+        return speed.teacher_kl(model, ro, rows, prompts, prompt_of, ids, active, cfg.temperature)
     student = forward_answers(model, [ro.prompts[b] for b in (rows // ro.G).tolist()], ids, active)
-    teacher = forward_answers(model, [teacher_prompts[k] for k in prompt_of.tolist()], ids, active)
-    T = cfg.temperature
-    log_s, log_t = F.log_softmax(student / T, -1), F.log_softmax(teacher / T, -1)  # (b, L, V)
-    # D_t = KL(teacher || student) = sum_v p_t(v) (log p_t(v) - log p_s(v)); kl_div(in, target)
+    teacher = forward_answers(model, [prompts[k] for k in prompt_of.tolist()], ids, active)
+    log_s, log_t = (F.log_softmax(z / cfg.temperature, -1) for z in (student, teacher))  # (b, L, V)
+    # D_t (§5.1) = KL(teacher || student) = sum_v p_t(v) (log p_t(v) - log p_s(v)); kl_div(in, tgt)
     return F.kl_div(log_s, log_t, log_target=True, reduction="none").sum(-1)[active]
 
 
 @torch.no_grad()
-def measure_kl(model, tok, cfg, ro, batch, encode=encode_prompt):
-    """Step 1: D at the active tokens of every answer with a reference, by micro-batches of
-    answers sorted by question and reference (a teacher prompt is then prefilled once for
-    several answers, on --fast; the plain teacher_kl expands prompt_of to one per answer); encode
-    builds the teacher prompt (Eq. 4). -> kl (M, L), 0 where not scored"""
+def measure_kl(model, cfg, ro, batch, prompts):
+    """D at the active tokens of every answer with a reference (prompts: teacher_prompts), sorted
+    by question and reference so that --fast prefills a prompt once. -> kl (M, L), 0 elsewhere"""
     kl = torch.zeros_like(batch.kl)                                                # (M, L)
     order = sorted(batch.scored.tolist(), key=lambda m: (int(batch.question[m]), int(batch.ref[m])))
-    for mb in torch.tensor(order, dtype=torch.long).split(cfg.micro_batch):
-        ids, active = pack(ro, batch.row[mb], batch.n_active[mb])                  # (b, L)
-        refs, prompt_of = distinct(batch.ref[mb].tolist(), ids.device)  # the rows of its references
-        # Eq. (4): the teacher prompt holds the reference answer tau = o_j of the same question
-        prompts = [encode(tok, ro.problems[j // ro.G]["question"], ro.texts[j]) for j in refs]
-        d = teacher_kl(model, cfg, ro, batch.row[mb], prompts, prompt_of, ids, active)  # (n,)
+    for rows in torch.tensor(order, dtype=torch.long).split(cfg.micro_batch):     # Batch rows
+        ids, active = pack(ro, batch.row[rows], batch.n_active[rows])              # (b, L)
+        refs, prompt_of = distinct(batch.ref[rows].tolist(), ids.device)  # their references
+        d = teacher_kl(model, cfg, ro, batch.row[rows], [prompts[j] for j in refs], prompt_of,
+                       ids, active)                                                # (n,)
         back = torch.zeros(active.shape, device=kl.device).masked_scatter(active, d)  # (b, L)
-        kl[mb, :active.shape[1]] = back  # pack cut the rows to their longest answer: <= L wide
+        kl[rows, :active.shape[1]] = back  # pack cut the rows to their longest answer: <= L wide
     return kl
 
 
 def sc_weights(kl, active, c_min=1e-4, q=0.75):
-    """Step 2: f(D) = D / (D + c), c = max(quantile_q(D over active tokens), c_min).
-    kl, active (...) -> weights (...) in [0, 1), 0 off the active tokens; and c. No gradient.
-    A non-finite D would make c, hence every weight, NaN: such a token is left out (note 14)."""
+    """f(D) = D / (D + c), c = max(quantile_q(D over active tokens), c_min). kl, active (...) ->
+    weights (...) in [0, 1), 0 off the active tokens, and c. A non-finite D weighs 0 (note 11)."""
     kl = kl.clamp_min(0.0)  # D >= 0, but rounding can put a teacher ~ student token a hair below
     active = active & torch.isfinite(kl)
     d = kl[active]
     c = max(float(torch.quantile(d.float(), q)) if d.numel() else 0.0, c_min)
-    # f(D) = D / (D + c): tokens above the q-quantile keep more than half their gradient
+    # f(D) (§5.1) = D / (D + c): more than half the gradient where D > c (the P75, or c_min)
     return torch.where(active, kl / (kl + c), torch.zeros_like(kl)).detach(), c
+
+
+@torch.no_grad()
+def self_condition(model, cfg, ro, batch, prompts):
+    """SC-GRPO's teacher: D (measure_kl), f(D) with c over the step's active tokens (note 1); a
+    batch without references (GRPO) comes back as it was. -> (batch with kl, weights; metrics)"""
+    scored = batch.scored                                                          # (R,)
+    if not len(scored):
+        return batch, {}
+    kl = measure_kl(model, cfg, ro, batch, prompts)                                # (M, L)
+    active = (torch.arange(kl.shape[1]) < batch.n_active[scored, None]).to(kl.device)  # (R, L)
+    w, c = sc_weights(kl[scored], active, cfg.c_min, cfg.kl_quantile)              # (R, L)
+    weights = batch.weights.index_put((scored,), w)  # a copy, f(D) in the scored rows (M, L)
+    return replace(batch, kl=kl, weights=weights), kl_metrics(kl[scored], active, w, c)
+
+
+def window_means(batch):
+    """s_i (§5.1) = 1/L_i sum_{t <= L_i} f(D_it): each answer's mean weight over its window."""
+    return batch.weights.sum(1).cpu() / batch.n_active                             # (M,)
 
 
 def diversity_advantages(s, alpha=0.1, eps=1e-6):
@@ -471,119 +433,59 @@ def diversity_advantages(s, alpha=0.1, eps=1e-6):
     return alpha * (s - s.mean()) / (s.std(unbiased=False) + eps)
 
 
-def unlikeness(ro, i, r, L):
-    """--eq5-score unlike (not the paper's): 1 - difflib's match ratio of the first L tokens of
-    answers i and o_r (rollout rows): 0 for a copy, 1 for no token in common (docs/eq5.md)."""
-    match = difflib.SequenceMatcher(None, ro.ids[i, :L].tolist(), ro.ids[r, :L].tolist(), False)
-    return 1.0 - match.ratio()
-
-
-def solve_none_advantages(ro, batch, weights, alpha, score="kl"):
-    """Step 3: Eq. (5) in every solve-none group of the batch, from the weights f(D) (M, L),
-    which are 0 past each answer's window L_i (its active tokens).
+def solve_none_advantages(batch, s, alpha):
+    """Eq. (5) in every solve-none group of the batch from each answer's score s (M,).
     -> adv (M,): batch.adv with each solve-none answer's entry replaced by alpha * A_div_i"""
-    adv, none = batch.adv.clone(), torch.tensor([r == "solve_none" for r in batch.route])
-    # s_i = 1/L_i sum_{t <= L_i} f(D_it): the mean weight over o_i's window
-    s = weights.sum(1).cpu() / batch.n_active                                      # (M,)
-    if score == "unlike":  # not the paper's: how little of o_i's window o_r shares
-        s = torch.tensor([unlikeness(ro, int(i), int(r), int(L)) if is_none else 0.0
-                          for i, r, L, is_none in zip(batch.row, batch.ref, batch.n_active, none)])
+    none = torch.tensor([r == "solve_none" for r in batch.route], dtype=torch.bool)  # (M,)
+    adv = batch.adv.clone()
     for b in batch.question[none].unique().tolist():
         members = none & (batch.question == b)  # question b's answers here: all but o_r
         adv[members] = diversity_advantages(s[members], alpha)
     return adv
 
-
-@torch.no_grad()
-def self_condition(model, tok, cfg, ro, batch, encode=encode_prompt):
-    """SC-GRPO's addition to a step: D (measure_kl), f(D) with c over all of the step's active
-    tokens (sc_weights, note 1), Eq. (5) (solve_none_advantages). Nothing to do for a batch
-    without references (GRPO, DAPO). -> (a copy of batch with kl, weights and adv set, metrics)"""
-    scored = batch.scored                                                          # (R,)
-    if not len(scored):
-        return batch, {}
-    kl = measure_kl(model, tok, cfg, ro, batch, encode)                            # (M, L)
-    active = (torch.arange(kl.shape[1]) < batch.n_active[scored, None]).to(kl.device)  # (R, L)
-    w, c = sc_weights(kl[scored], active, cfg.c_min, cfg.kl_quantile)              # (R, L)
-    weights = batch.weights.index_put((scored,), w)  # a copy, f(D) in the scored rows (M, L)
-    adv = solve_none_advantages(ro, batch, weights, cfg.alpha_div, cfg.eq5_score)  # (M,)
-    # D's quantiles, c, mean f(D) (warns on a non-finite D)
-    return replace(batch, kl=kl, weights=weights, adv=adv), kl_metrics(kl[scored], active, w, c)
-
 # The loss: the clipped GRPO objective, each token weighted by f(D) --------------------------------
 
-DAPO_EPS_HIGH = 0.28  # DAPO's clip-higher: the upper clip range when --epsilon-high is not set
-
-
-def policy_loss(logp, old_logp, adv, weights, scale, mask, eps_low, eps_high):
+def policy_loss(logp, old_logp, adv, weights, norm, mask, eps_low, eps_high):
     """-J_SC and the number of tokens whose ratio is outside the clip range. logp, old_logp,
-    weights, scale, mask (b, L); adv (b,). With weights = 1: GRPO (scale = 1/(B G |o_i|)
-    per answer) or DAPO (scale = 1/total tokens)."""
-    # Zero the padding first: a NaN there would otherwise leak into the gradient through where().
+    weights, mask (b, L), weights 0 off the answer; adv, norm (b,). With weights 1: GRPO."""
+    # padding: rho = 1 there, so a NaN cannot leak into the gradient, and weight 0, so no loss
     logp, old_logp = logp.masked_fill(~mask, 0.0), old_logp.masked_fill(~mask, 0.0)
     ratio = torch.exp(logp - old_logp)                                             # rho (b, L)
     a = adv[:, None]                                                               # (b, 1)
     term = torch.min(ratio * a, ratio.clamp(1 - eps_low, 1 + eps_high) * a)       # (b, L)
-    # J_SC = sum_i sum_t scale_it * f(D_it) * min(rho A, clip(rho) A); weights = 1: GRPO, DAPO
-    per_token = torch.where(mask, weights * term * scale, torch.zeros_like(term))
+    # J_SC (§5.1) = sum_i sum_t f(D_it) min(rho A_i, clip(rho) A_i) / (B G |o_i|)
+    per_token = weights * term * norm[:, None]                                     # (b, L)
     clipped = ((ratio < 1 - eps_low) | (ratio > 1 + eps_high)) & mask
     return -per_token.sum(), int(clipped.sum())
 
 
-def loss_scale(cfg, ro, batch):
-    """Each answer's normaliser in J (M,): GRPO's 1/G sum_i 1/|o_i|, averaged over the step's B
-    questions, is 1/(B G |o_i|) per token; DAPO's token-level mean is 1/(tokens in the batch)."""
-    lengths = ro.lengths.view(-1)[batch.row].double()                              # (M,) |o_i|
-    if cfg.algo == "dapo":
-        return torch.full(lengths.shape, 1.0 / max(1, int(lengths.sum())))
-    return (1.0 / (len(ro.problems) * ro.G * lengths)).float()
+def micro_batch_loss(model, cfg, ro, mb, old_logp=None):
+    """The loss of the micro-batch mb (a Batch of b rows), -J_SC's share, and its clipped-token
+    count. update's loss_of: a fork that changes the loss replaces this function."""
+    logp, mask = answer_logprobs(model, cfg, ro, mb)                               # (b, L)
+    old_logp = logp.detach() if old_logp is None else old_logp  # mu = 1: rho = 1, the clip idle
+    # pack cut mask to this micro-batch's longest answer; the weights are the rollout's L wide
+    return policy_loss(logp, old_logp, mb.adv.to(logp.device), mb.weights[:, :mask.shape[1]],
+                       mb.norm.to(logp.device), mask, cfg.epsilon, cfg.epsilon)
 
 # One training step: sample -> reward -> advantages -> (SC-GRPO) teacher -> clipped update ---------
 
-def sample_groups(model, tok, cfg, train_set, batcher, gen, eos_ids):
-    """prompts_per_step groups. DAPO's dynamic sampling drops groups whose rewards are all
-    equal (note 8) and refills the batch, for at most dapo_max_rounds rounds.
-    -> (Rollout to train on, Rollout of every group sampled, rounds)"""
-    kept, sampled, n_kept, rounds = [], [], 0, 0
-    max_rounds = cfg.dapo_max_rounds if cfg.algo == "dapo" else 1
-    while n_kept < cfg.prompts_per_step and rounds < max_rounds:
-        rounds += 1
-        problems = [train_set[i] for i in batcher.take(cfg.prompts_per_step - n_kept)]
-        new = rollout(model, tok, cfg, problems, gen, eos_ids)
-        sampled.append(new)
-        if cfg.algo == "dapo":  # keep exactly the groups route_groups would not skip
-            new = select_groups(new, [b for b, route in enumerate(route_groups(new.reward, "dapo"))
-                                      if route != "skip"])
-        kept.append(new)
-        n_kept += len(new.problems)
-    return join(kept), join(sampled), rounds
-
-
-def update(model, optimizer, cfg, ro, batch):
-    """ppo_epochs AdamW steps on -J_SC, the gradient accumulated over micro-batches.
+def update(model, optimizer, cfg, ro, batch, loss_of=micro_batch_loss):
+    """ppo_epochs AdamW steps on the loss, its gradient accumulated over micro-batches.
     -> (loss, clip_frac, grad_norm, grad_norm_none and update_size as a dict; stepped)"""
-    eps_high = cfg.epsilon_high or (DAPO_EPS_HIGH if cfg.algo == "dapo" else cfg.epsilon)
-    per_answer = loss_scale(cfg, ro, batch)                                        # (M,)
     # solve-none answers first, in micro-batches of their own: grad_norm_none is Eq. (5)'s part
-    order, mbs, n_none = micro_batches(batch, ro, cfg.micro_batch)
-    batch, per_answer = batch[order], per_answer[order]
+    order, slices, n_none = micro_batches(batch, ro, cfg.micro_batch)
+    batch = batch[order]
     old = None  # mu > 1: the log-probs before any step (this same pass), frozen for every epoch
     if cfg.ppo_epochs > 1:
         with torch.no_grad():
-            old = [answer_logprobs(model, cfg, ro, batch[sl])[0] for sl in mbs]
+            old = [answer_logprobs(model, cfg, ro, batch[sl])[0] for sl in slices]
     log, stepped = UpdateLog(model, cfg.log_update_size), False
     with training(model, optimizer, cfg.grad_checkpoint):  # and bf16 autocast if --dtype bf16
-        for _ in range(cfg.ppo_epochs if mbs else 0):
+        for _ in range(cfg.ppo_epochs if slices else 0):
             log.new_epoch()
-            for k, sl in enumerate(mbs):
-                mb = batch[sl]
-                logp, mask = answer_logprobs(model, cfg, ro, mb)                   # (b, L)
-                loss, n_clipped = policy_loss(
-                    logp, old[k] if old else logp.detach(),  # mu = 1: rho = 1, the clip idle
-                    # pack cut mask to this micro-batch's longest answer; weights are L wide
-                    adv=mb.adv.to(logp.device), weights=mb.weights[:, :mask.shape[1]],
-                    scale=mask * per_answer[sl, None].to(logp.device), mask=mask,
-                    eps_low=cfg.epsilon, eps_high=eps_high)
+            for k, sl in enumerate(slices):
+                loss, n_clipped = loss_of(model, cfg, ro, batch[sl], old[k] if old else None)
                 loss.backward()
                 log.micro_batch(loss, n_clipped, last_solve_none=sl.stop == n_none)
             log.grad_norm = float(clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
@@ -596,23 +498,26 @@ def update(model, optimizer, cfg, ro, batch):
     return log.metrics(tokens=int(ro.lengths.view(-1)[batch.row].sum())), stepped
 
 
-def train_step(model, optimizer, tok, cfg, train_set, batcher, rng, gen, eos_ids):
-    """One update: sample and grade -> advantages and routes -> references -> (SC-GRPO) D, f(D)
-    and Eq. (5) -> clipped update. -> (metrics, credit-view examples)"""
+def train_step(model, optimizer, tok, cfg, batcher, rng, gen, eos_ids):
+    """One update: sample and verify -> Eq. (1), routes, references -> (SC-GRPO) D, f(D) and
+    Eq. (5) -> clipped update. -> (metrics, credit-page examples)"""
     clock = Phases(next(model.parameters()).device)  # seconds and CUDA memory per phase
-    ro, sampled, rounds = sample_groups(model, tok, cfg, train_set, batcher, gen, eos_ids)
+    ro = sample_groups(model, tok, cfg, batcher.take(cfg.prompts_per_step), cfg.group_size,
+                       cfg.temperature, gen, eos_ids, keep_states=cfg.algo == "scgrpo")
     clock.lap("sample")
-    adv = group_advantages(ro.reward)                                              # (B, G)
-    routes = route_groups(ro.reward, cfg.algo)                                     # B routes
-    batch = make_batch(ro, routes, adv, rng, window=cfg.eq5_window)  # references, windows L_i
-    batch, sc_stats = self_condition(model, tok, cfg, ro, batch)  # SC-GRPO: kl, weights, Eq. (5)
+    adv = group_advantages(ro.correct)                                             # (B, G)
+    routes = route_groups(ro.correct, cfg.algo)                                    # B routes
+    refs = [pick_references(c, route, rng) for c, route in zip(ro.correct.bool().tolist(), routes)]
+    batch = make_batch(ro, routes, adv, refs)                                      # M rows
+    batch, sc_stats = self_condition(model, cfg, ro, batch, teacher_prompts(tok, ro, batch))
+    # Eq. (5) in the solve-none groups, from each answer's mean f(D) over its window
+    batch = replace(batch, adv=solve_none_advantages(batch, window_means(batch), cfg.alpha_div))
     clock.lap("teacher")
-    eq5_only = bool(batch.route) and set(batch.route) == {"solve_none"}  # no reward gradient
-    trained = batch[:0] if eq5_only and cfg.eq5_only_step == "skip" else batch  # not the paper's
-    upd, stepped = update(model, optimizer, cfg, ro, trained)
+    upd, stepped = update(model, optimizer, cfg, ro, batch)
     clock.lap("update")
-    metrics = step_metrics(cfg, sampled, ro, routes, trained, clock, rounds, **upd, **sc_stats,
-                           eq5_only=eq5_only, nonfinite=bool(trained.route) and not stepped)
+    eq5_only = set(batch.route) == {"solve_none"}  # Eq. (5) is the step's only gradient
+    metrics = step_metrics(ro, routes, batch, clock, **upd, **sc_stats, eq5_only=eq5_only,
+                           nonfinite=bool(batch.route) and not stepped)
     return metrics, credit_examples(tok, ro, batch)
 
 # Evaluation: greedy accuracy, Avg@k and Pass@k ----------------------------------------------------
@@ -620,23 +525,16 @@ def train_step(model, optimizer, tok, cfg, train_set, batcher, rng, gen, eos_ids
 EVAL_SEED_OFFSET = 7919  # evaluation samples from its own stream, seed + this (any fixed offset)
 
 
-def avg_and_pass_at_k(correct):
-    """correct (Q, k) bool -> (Avg@k: mean reward of k samples, Pass@k: share of questions
-    solved by at least one of the k)."""
-    return float(correct.float().mean()), float(correct.any(1).float().mean())
-
-
-def answer_and_verify(model, tok, problems, cfg, eos_ids, n, temperature, gen):
-    """n answers to each problem, graded. -> (texts, correct, lengths), len(problems) * n each"""
+def eval_groups(model, tok, problems, cfg, eos_ids, n, temperature, gen):
+    """sample_groups in calls of at most a step's rows. -> texts, correct, lengths (Q n each)"""
     rows = max(cfg.eval_batch, cfg.prompts_per_step * cfg.group_size)  # a sampler call's rows
     q = max(1, min(cfg.eval_batch, rows // n))  # questions per call: at most that many rows
-    texts, lengths = [], []
+    texts, correct, lengths = [], [], []
     for i in tqdm(range(0, len(problems), q), desc="eval", leave=False, disable=None):
-        prompts = [encode_prompt(tok, p["question"]) for p in problems[i:i + q]]
-        ids, mask, _, _ = sample_answers(model, cfg, prompts, n, temperature, eos_ids,
-                                         tok.pad_token_id, gen)                    # (q n, L)
-        texts, lengths = texts + decode(tok, ids, mask), lengths + mask.sum(1).tolist()
-    return texts, [verify(t, problems[j // n]["answer"]) for j, t in enumerate(texts)], lengths
+        ro = sample_groups(model, tok, cfg, problems[i:i + q], n, temperature, gen, eos_ids)
+        texts, lengths = texts + ro.texts, lengths + ro.mask.sum(1).tolist()
+        correct += ro.correct.view(-1).bool().tolist()
+    return texts, correct, lengths
 
 
 @torch.no_grad()
@@ -646,52 +544,53 @@ def evaluate(model, tok, problems, cfg, eos_ids):
     question: greedy text, correct, length, extracted number; with k, its correct samples)"""
     device, k = next(model.parameters()).device, cfg.eval_k
     gen = torch.Generator(device).manual_seed(cfg.seed + EVAL_SEED_OFFSET)
-    texts, greedy, lengths = answer_and_verify(model, tok, problems, cfg, eos_ids, 1, 0.0, gen)
+    texts, greedy, lengths = eval_groups(model, tok, problems, cfg, eos_ids, 1, 0.0, gen)
     per_question = dict(text=texts, correct=greedy, length=lengths,
                         answer=[extract_answer(t) for t in texts])
     out = {"eval_greedy_acc": sum(greedy) / len(greedy)}
     if k:
-        _, k_correct, _ = answer_and_verify(model, tok, problems, cfg, eos_ids, k,
-                                            cfg.temperature, gen)
+        _, k_correct, _ = eval_groups(model, tok, problems, cfg, eos_ids, k, cfg.temperature, gen)
         hits = torch.tensor(k_correct).view(-1, k)                                 # (Q, k)
-        out["eval_avg_at_k"], out["eval_pass_at_k"] = avg_and_pass_at_k(hits)
+        # Avg@k: the mean reward of k samples; Pass@k: the share of questions solved by any
+        out["eval_avg_at_k"] = float(hits.float().mean())
+        out["eval_pass_at_k"] = float(hits.any(1).float().mean())
         per_question["k_correct"] = hits.sum(1).tolist()
     return out, per_question
 
 # The training loop --------------------------------------------------------------------------------
 
-def train(cfg, resume=""):
-    """Train, evaluate and save. resume: a checkpoint folder from parse_config, or ""."""
+def train(cfg, resume="", step=train_step):
+    """Train, evaluate and save. resume: a checkpoint folder, or ""; step: a fork's own step."""
     # One seed for everything. With one CPU thread (OMP_NUM_THREADS=1) a run repeats bit for bit;
     # with more, or on a GPU, reductions may split differently, and runs drift apart slowly.
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)  # the tiny model's initial weights come from this stream
     run = Run(cfg, resume)  # loads the data and the model (fp32 weights; resume: the checkpoint's)
     model, tok = run.model, run.tok
-    # AdamW on every weight at a constant learning rate (note 10), PyTorch's betas (0.9, 0.999)
+    # AdamW on every weight at a constant learning rate (note 9), PyTorch's betas (0.9, 0.999)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     rng = random.Random(cfg.seed)                            # which answer is whose reference
     gen = torch.Generator(run.device).manual_seed(cfg.seed)  # the sampler's draws
-    batcher = Batcher(len(run.train_set), cfg.seed)          # questions: a seeded order per epoch
+    batcher = Batcher(run.train_set, cfg.seed)               # questions: a seeded order per epoch
     start = run.begin(optimizer, rng, gen, batcher)  # 1, or after resume the next step (restored)
     if start == 1:
         run.log_eval(0, *evaluate(model, tok, run.eval_set, cfg, run.eos_ids))
     bar = tqdm(range(start, cfg.steps + 1), desc="train", initial=start - 1, total=cfg.steps,
                disable=None)
-    for step in bar:
-        m, credit = train_step(model, optimizer, tok, cfg, run.train_set, batcher, rng, gen,
-                               run.eos_ids)
-        run.log_step(bar, {"step": step, **m}, credit)  # may stop: --max-bad-steps NaN steps
-        if step % cfg.eval_every == 0 or step == cfg.steps:
-            run.log_eval(step, *evaluate(model, tok, run.eval_set, cfg, run.eos_ids))
-        run.checkpoint(bar, step)  # every --save-every steps, at the end, and after a Ctrl-C
+    for i in bar:
+        m, credit = step(model, optimizer, tok, cfg, batcher, rng, gen, run.eos_ids)
+        run.log_step(bar, {"step": i, **m}, credit)  # may stop: --max-bad-steps NaN steps
+        if i % cfg.eval_every == 0 or i == cfg.steps:
+            run.log_eval(i, *evaluate(model, tok, run.eval_set, cfg, run.eos_ids))
+        run.checkpoint(bar, i)  # every --save-every steps, at the end, and after a Ctrl-C
     run.finish(bar)
 
 
-def main(argv=None):
+def main(argv=None, Config=Config, step=train_step):
+    """The command line. A fork passes its own Config (its flags) and step."""
     cfg, resume = parse_config(Config, PRESETS, argv)
     if not cfg.eval_only:
-        return train(cfg, resume)
+        return train(cfg, resume, step)
     torch.manual_seed(cfg.seed)  # the tiny model's initial weights; no optimizer, no training
     Run(cfg).save_eval(evaluate)  # evaluate() on the model and test set Run loads -> eval.json
 

@@ -24,8 +24,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import machinery
 from machinery import batching, cli, credit, models, runs, speed, tasks
 import scgrpo as S
+from variants import dapo, eq5_options
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(1, os.path.join(HERE, "tools"))  # tools/compare.py and bench.py, imported by their tests
@@ -49,9 +51,9 @@ ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 SUBPROCESS_TIMEOUT = 900
 
 
-def run(*args, timeout=SUBPROCESS_TIMEOUT, env=None):
-    """Run scgrpo.py in a subprocess -> CompletedProcess (text)."""
-    return subprocess.run([sys.executable, os.path.join(HERE, "scgrpo.py"), *args], capture_output=True,
+def run(*args, timeout=SUBPROCESS_TIMEOUT, env=None, program="scgrpo.py"):
+    """Run scgrpo.py (or a variant's file) in a subprocess -> CompletedProcess (text)."""
+    return subprocess.run([sys.executable, os.path.join(HERE, program), *args], capture_output=True,
                           text=True, timeout=timeout, cwd=HERE, env=env)
 
 
@@ -60,12 +62,27 @@ def read_metrics(out):
         return [json.loads(line) for line in f]
 
 
-def run_ok(out, *args):
-    """Run scgrpo.py into `out`, require success -> (training lines, evaluation lines)."""
-    r = run(*args, "--out", out)
+def run_ok(out, *args, program="scgrpo.py"):
+    """Run scgrpo.py (or a variant) into `out`, require success -> (training lines, eval lines)."""
+    r = run(*args, "--out", out, program=program)
     assert r.returncode == 0, r.stderr[-2000:]
     m = read_metrics(out)
     return [x for x in m if "reward_mean" in x], [x for x in m if "eval_greedy_acc" in x]
+
+
+def draw_references(ro, routes, rng):
+    """Each group's references, as train_step draws them (pick_references)."""
+    return [S.pick_references(c, r, rng) for c, r in zip(ro.correct.bool().tolist(), routes)]
+
+
+VARIANT_STEPS = {"dapo": (dapo.Config, dapo.dapo_step),
+                 "eq5_options": (eq5_options.Config, eq5_options.eq5_options_step)}
+
+
+def variant_main(module):
+    """A variant file's command line, in this process (its __main__ line)."""
+    Config, step = VARIANT_STEPS[module.__name__.split(".")[-1]]
+    return lambda argv: S.main(argv, Config=Config, step=step)
 
 
 def pad_rows(rows, value=0):
@@ -225,7 +242,7 @@ class RecordingSGD(torch.optim.SGD):
 
 
 def fixed_rollout(model, tok, cfg, rows):
-    """The rollout of REF_TABLE for `rows`, as scgrpo.rollout returns it: padded answers, fixed
+    """The rollout of REF_TABLE for `rows`, as scgrpo.sample_groups returns it: padded answers, fixed
     verdicts, and (SC-GRPO in fp32) the student's states from one plain forward per answer."""
     table = {q: (a, c) for q, a, c in REF_TABLE}
     G, L = cfg.group_size, REF_MAX_NEW
@@ -244,26 +261,27 @@ def fixed_rollout(model, tok, cfg, rows):
     correct = torch.tensor([table[r["question"]][1] for r in rows], dtype=torch.float)
     keep = cfg.algo == "scgrpo"
     return S.Rollout(rows, prompts, ids, mask, tok.batch_decode(
-        [o for o in answers], skip_special_tokens=True), correct, correct.clone(),
+        [o for o in answers], skip_special_tokens=True), correct,
         hidden if keep else None, lse if keep else None)
 
 
-def project_step(algo, monkeypatch, lr, micro_batch=3, epochs=2, seed=0, fast=True, **settings):
-    """One train_step of scgrpo.py on REF_TABLE (its sampler replaced by the fixed rollout),
-    optimised by plain SGD with no gradient clipping.
+def project_step(algo, monkeypatch, lr, micro_batch=3, epochs=2, seed=0, fast=True, variant=None, **settings):
+    """One train_step of scgrpo.py (DAPO: variants/dapo.py's step) on REF_TABLE (its sampler
+    replaced by the fixed rollout), optimised by plain SGD with no gradient clipping.
     -> (the rollout and the Batch the update received, metrics, gradients of each epoch)"""
     model, tok = models.make_tiny(0)
-    cfg = S.Config(algo=algo, group_size=REF_G, prompts_per_step=len(REF_TABLE), micro_batch=micro_batch,
-                   max_new_tokens=REF_MAX_NEW, temperature=REF_T, ppo_epochs=epochs,
-                   max_grad_norm=1e9, dapo_max_rounds=1, fast=fast, **settings)
+    Config, step = VARIANT_STEPS.get(variant or algo, (S.Config, S.train_step))
+    cfg = Config(algo=algo, group_size=REF_G, prompts_per_step=len(REF_TABLE), micro_batch=micro_batch,
+                 max_new_tokens=REF_MAX_NEW, temperature=REF_T, ppo_epochs=epochs,
+                 max_grad_norm=1e9, fast=fast, **(dict(max_rounds=1) if algo == "dapo" else {}), **settings)
     rows = [{"question": q, "answer": "#### 0"} for q, _, _ in REF_TABLE]
-    monkeypatch.setattr(S, "rollout", lambda model, tok, cfg, rows, gen, eos: fixed_rollout(
+    monkeypatch.setattr(S, "sample_groups", lambda model, tok, cfg, rows, *a, **k: fixed_rollout(
         model, tok, cfg, rows))
     seen, real_update = [], S.update
-    monkeypatch.setattr(S, "update", lambda *a: (seen.append(a), real_update(*a))[1])
+    monkeypatch.setattr(S, "update", lambda *a, **k: (seen.append(a), real_update(*a, **k))[1])
     opt = RecordingSGD(model.parameters(), lr)
-    metrics, _ = S.train_step(model, opt, tok, cfg, rows, tasks.Batcher(len(rows), seed),
-                              random.Random(seed), torch.Generator().manual_seed(0), [0])
+    metrics, _ = step(model, opt, tok, cfg, tasks.Batcher(rows, seed), random.Random(seed),
+                      torch.Generator().manual_seed(0), [0])
     ro, batch = seen[0][3], seen[0][4]
     return ro, batch, metrics, opt.seen
 
@@ -350,27 +368,29 @@ def test_step_diagnostics_split_the_gradient_and_measure_the_update(monkeypatch)
 
 @pytest.mark.parametrize("policy", ["step", "skip"])
 def test_a_step_whose_only_gradient_is_eq5_is_skipped_only_when_asked(policy, monkeypatch):
-    """--eq5-only-step skip: a step whose every group is solve-none applies no update (weights
-    and AdamW's state untouched, not counted as non-finite); a step with a reward-carrying group
-    still updates. step (the paper's): the Eq. (5)-only step updates, grad_norm_none = grad_norm."""
+    """variants/eq5_options.py --eq5-only-step skip: a step whose every group is solve-none applies
+    no update (weights and AdamW's state untouched, not counted as non-finite); a step with a
+    reward-carrying group still updates. step (the paper's, scgrpo.py's): the Eq. (5)-only step
+    updates, grad_norm_none = grad_norm."""
     model, tok = models.make_tiny(0)
-    cfg = S.Config(algo="scgrpo", group_size=REF_G, prompts_per_step=len(REF_TABLE), micro_batch=3,
-                   max_new_tokens=REF_MAX_NEW, temperature=REF_T, eq5_only_step=policy)
+    cfg = eq5_options.Config(algo="scgrpo", group_size=REF_G, prompts_per_step=len(REF_TABLE), micro_batch=3,
+                             max_new_tokens=REF_MAX_NEW, temperature=REF_T, eq5_only_step=policy)
+    step = eq5_options.eq5_options_step if policy == "skip" else S.train_step
     rows = [{"question": q, "answer": "#### 0"} for q, _, _ in REF_TABLE]
     wrong = {"all": True}
 
-    def rollout(model, tok, cfg, rows, gen, eos):
+    def rollout(model, tok, cfg, rows, *a, **k):
         ro = fixed_rollout(model, tok, cfg, rows)
         if wrong["all"]:  # every group solve-none: Eq. (5) is the step's only gradient
-            ro.correct, ro.reward = torch.zeros_like(ro.correct), torch.zeros_like(ro.reward)
+            ro.correct = torch.zeros_like(ro.correct)
         return ro
-    monkeypatch.setattr(S, "rollout", rollout)
+    monkeypatch.setattr(S, "sample_groups", rollout)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for all_wrong in (True, False):
         wrong["all"] = all_wrong
         before = [p.detach().clone() for p in model.parameters()]
-        m, _ = S.train_step(model, opt, tok, cfg, rows, tasks.Batcher(len(rows), 0), random.Random(0),
-                            torch.Generator().manual_seed(0), [0])
+        m, _ = step(model, opt, tok, cfg, tasks.Batcher(rows, 0), random.Random(0),
+                    torch.Generator().manual_seed(0), [0])
         moved = any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
         assert m["eq5_only"] is all_wrong and m["nonfinite"] is False
         if all_wrong and policy == "skip":
@@ -537,8 +557,8 @@ def test_route_groups_for_every_number_correct():
     rows = torch.tensor([[1.] * n + [0.] * (G - n) for n in range(G + 1)])
     assert S.route_groups(rows, "scgrpo") == ["solve_none", "fallback", "partial", "partial", "partial", "partial", "skip"]
     assert S.route_groups(rows, "grpo") == ["skip"] + ["grpo"] * (G - 1) + ["skip"]
-    shaped = torch.tensor([[-0.5, -0.5, -0.5], [0.0, -0.5, 0.0], [1.0, 1.0, 1.0]])  # dapo: all-equal dropped
-    assert S.route_groups(shaped, "dapo") == ["skip", "grpo", "skip"]
+    shaped = torch.tensor([[-0.5, -0.5, -0.5], [0.0, -0.5, 0.0], [1.0, 1.0, 1.0]])  # DAPO's filter: equal dropped
+    assert S.route_groups(shaped, "grpo") == ["skip", "grpo", "skip"]
 
 
 def test_references_are_verified_and_never_the_answer_itself():
@@ -558,54 +578,49 @@ def test_references_are_verified_and_never_the_answer_itself():
 
 
 def test_dapo_dynamic_sampling_keeps_groups_of_unequal_reward_and_refills(monkeypatch):
-    """DAPO drops each group whose rewards are all equal and samples again to refill the batch,
-    for at most dapo_max_rounds rounds; GRPO keeps what one round gives."""
+    """variants/dapo.py drops each group whose rewards are all equal and samples again to refill
+    the batch, for at most --max-rounds rounds; with one round it keeps what that round gives."""
     verdicts = iter([[1, 1], [0, 1], [0, 0], [1, 0], [1, 1], [0, 0], [1, 1], [0, 1], [0, 0]])
 
-    def fake_rollout(model, tok, cfg, rows, gen, eos_ids):
+    def fake_sample_groups(model, tok, cfg, rows, *a, **k):
         correct = torch.tensor([next(verdicts) for _ in rows], dtype=torch.float)  # (B, 2)
         n = 2 * len(rows)
         return S.Rollout(rows, [[1]] * len(rows), torch.zeros(n, 1, dtype=torch.long),
-                         torch.ones(n, 1, dtype=torch.bool), [""] * n, correct, correct.clone())
-    monkeypatch.setattr(S, "rollout", fake_rollout)
+                         torch.ones(n, 1, dtype=torch.bool), [""] * n, correct)
+    monkeypatch.setattr(S, "sample_groups", fake_sample_groups)
     rows = [{"question": str(k), "answer": "#### 0"} for k in range(10)]
-    cfg = S.Config(algo="dapo", prompts_per_step=3, group_size=2, dapo_max_rounds=3)
-    kept, sampled, rounds = S.sample_groups(None, None, cfg, rows, tasks.Batcher(10, 0), None, [0])
+    cfg = dapo.Config(prompts_per_step=3, group_size=2, max_rounds=3)
+    kept, sampled, rounds = dapo.sample_with_refill(None, None, cfg, tasks.Batcher(rows, 0), None, [0])
     assert rounds == 3 and len(sampled.problems) == 6  # 3 asked, 1 kept; 2 asked, 1 kept; 1 asked, 0
     assert kept.correct.tolist() == [[0, 1], [1, 0]] and kept.ids.shape[0] == 4
-    cfg.algo = "grpo"
-    kept, sampled, rounds = S.sample_groups(None, None, cfg, rows, tasks.Batcher(10, 0), None, [0])
-    assert rounds == 1 and kept.correct.tolist() == [[1, 1], [0, 1], [0, 0]] == sampled.correct.tolist()
+    cfg.max_rounds = 1
+    kept, sampled, rounds = dapo.sample_with_refill(None, None, cfg, tasks.Batcher(rows, 0), None, [0])
+    assert rounds == 1 and kept.correct.tolist() == [[0, 1]] and len(sampled.problems) == 3
 
 
 def test_solve_none_reference_is_drawn_uniformly_from_the_group():
     """o_r is one answer drawn uniformly: over 1,600 groups of 8 each index is o_r about 200 times
-    (binomial std 13; every count within 6 std), and never an unusable answer."""
+    (binomial std 13; every count within 6 std)."""
     rng, counts = random.Random(0), [0] * 8
     for _ in range(1600):
         counts[S.pick_references([False] * 8, "solve_none", rng).index(None)] += 1
     assert all(abs(c - 200) < 6 * 13.2 for c in counts), counts
-    usable = [True, False] * 4
-    assert all(S.pick_references([False] * 8, "solve_none", rng, usable).index(None) % 2 == 0 for _ in range(50))
 
 
 def test_dapo_filter_reads_the_shaped_reward_not_the_verdicts(monkeypatch):
     """With the overlong penalty on, an all-correct group of unequal lengths has unequal shaped rewards
-    (1 and 1 - penalty) and is kept by DAPO's filter (note 8); one of equal lengths is dropped."""
-    def fake_rollout(model, tok, cfg, rows, gen, eos_ids):
+    (1 and 1 - penalty) and is kept by DAPO's filter (variants/dapo.py); one of equal lengths is dropped."""
+    def fake_sample_groups(model, tok, cfg, rows, *a, **k):
         lengths = torch.tensor([[2, 8], [2, 2]])[:len(rows)]  # 8 is the cap: penalty -1 at max_len 8
-        correct = torch.ones(len(rows), 2)
-        reward = correct + S.overlong_penalty(lengths, 8, 4)
         mask = torch.arange(8)[None] < lengths.view(-1, 1)
         return S.Rollout(rows, [[1]] * len(rows), torch.zeros(2 * len(rows), 8, dtype=torch.long), mask,
-                         [""] * 2 * len(rows), correct, reward)
-    monkeypatch.setattr(S, "rollout", fake_rollout)
+                         [""] * 2 * len(rows), torch.ones(len(rows), 2))
+    monkeypatch.setattr(S, "sample_groups", fake_sample_groups)
     rows = [{"question": str(k), "answer": "#### 0"} for k in range(2)]
-    cfg = S.Config(algo="dapo", prompts_per_step=2, group_size=2, dapo_max_rounds=1, max_new_tokens=8,
-                   overlong_buffer=4)
-    kept, sampled, _ = S.sample_groups(None, None, cfg, rows, tasks.Batcher(2, 0), None, [0])
+    cfg = dapo.Config(prompts_per_step=2, group_size=2, max_rounds=1, max_new_tokens=8, overlong_buffer=4)
+    kept, sampled, _ = dapo.sample_with_refill(None, None, cfg, tasks.Batcher(rows, 0), None, [0])
     assert len(sampled.problems) == 2 and len(kept.problems) == 1
-    assert kept.reward.tolist() == [[1.0, 0.0]] and kept.correct.tolist() == [[1.0, 1.0]]
+    assert dapo.shaped_reward(kept, cfg).tolist() == [[1.0, 0.0]] and kept.correct.tolist() == [[1.0, 1.0]]
 
 
 def test_gradient_clipping_scales_the_applied_step_to_max_grad_norm(monkeypatch):
@@ -616,10 +631,10 @@ def test_gradient_clipping_scales_the_applied_step_to_max_grad_norm(monkeypatch)
     cfg = S.Config(algo="grpo", group_size=REF_G, prompts_per_step=len(REF_TABLE), micro_batch=3,
                    max_new_tokens=REF_MAX_NEW, temperature=REF_T, max_grad_norm=1e-3)
     rows = [{"question": q, "answer": "#### 0"} for q, _, _ in REF_TABLE]
-    monkeypatch.setattr(S, "rollout", lambda model, tok, cfg, rows, gen, eos: fixed_rollout(model, tok, cfg, rows))
+    monkeypatch.setattr(S, "sample_groups", lambda model, tok, cfg, rows, *a, **k: fixed_rollout(model, tok, cfg, rows))
     before = [p.detach().clone() for p in model.parameters()]
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    m, _ = S.train_step(model, opt, tok, cfg, rows, tasks.Batcher(len(rows), 0), random.Random(0),
+    m, _ = S.train_step(model, opt, tok, cfg, tasks.Batcher(rows, 0), random.Random(0),
                         torch.Generator().manual_seed(0), [0])
     moved = float(torch.cat([(p.detach() - b).flatten() for p, b in zip(model.parameters(), before)]).norm())
     assert m["grad_norm"] > 100 * 1e-3 and moved == pytest.approx(1e-3, rel=1e-3)  # fp32 differences
@@ -632,10 +647,11 @@ def test_c_is_the_quantile_the_flag_names(tiny):
     rows = tasks.make_arith()[0][:2]
     for q in (0.5, 0.75):
         cfg = S.Config(fast=True, algo="scgrpo", group_size=4, max_new_tokens=3, micro_batch=16, kl_quantile=q)
-        ro = S.rollout(model, tok, cfg, rows, torch.Generator().manual_seed(3), [0])
+        ro = S.sample_groups(model, tok, cfg, rows, 4, 1.0, torch.Generator().manual_seed(3), [0], keep_states=True)
         ro.correct = torch.tensor([[1.0, 1.0, 0.0, 1.0], [1.0, 0.0, 1.0, 0.0]])
-        batch = S.make_batch(ro, ["partial", "partial"], S.group_advantages(ro.correct), random.Random(0))
-        batch, stats = S.self_condition(model, tok, cfg, ro, batch)
+        routes = ["partial", "partial"]
+        batch = S.make_batch(ro, routes, S.group_advantages(ro.correct), draw_references(ro, routes, random.Random(0)))
+        batch, stats = S.self_condition(model, cfg, ro, batch, S.teacher_prompts(tok, ro, batch))
         active = torch.arange(batch.kl.shape[1]) < batch.n_active[:, None]
         assert stats["c"] == pytest.approx(float(torch.quantile(batch.kl[active], q)), rel=1e-6)
 
@@ -655,33 +671,40 @@ def test_greedy_evaluation_decodes_at_temperature_zero(tiny):
 
 
 def test_eq5_unlike_option_scores_by_token_match():
-    """--eq5-score unlike (not the paper's): s_i = 1 - difflib's match ratio of o_i's and o_r's
-    first L_i tokens, by hand: a copy 0, a half match 0.5, no shared token 1; Eq. (5) on those."""
+    """variants/eq5_options.py --eq5-score unlike (not the paper's): s_i = 1 - difflib's match ratio
+    of o_i's and o_r's first L_i tokens, by hand: a copy 0, a half match 0.5, no shared token 1;
+    Eq. (5) on those."""
     G = 4
     ids = torch.tensor([[5, 6, 7, 8], [5, 6, 7, 8], [5, 6, 1, 2], [1, 2, 3, 4]])
     mask = torch.ones(G, 4, dtype=torch.bool)
-    ro = S.Rollout([{"question": "q", "answer": "#### 1"}], [[1]], ids, mask, ["a"] * G, torch.zeros(1, G),
-                   torch.zeros(1, G))
+    ro = S.Rollout([{"question": "q", "answer": "#### 1"}], [[1]], ids, mask, ["a"] * G, torch.zeros(1, G))
     rng = random.Random(0)
     while True:  # a draw whose o_r is answer 0
-        batch = S.make_batch(ro, ["solve_none"], torch.zeros(1, G), rng)
+        batch = S.make_batch(ro, ["solve_none"], torch.zeros(1, G), draw_references(ro, ["solve_none"], rng))
         if int(batch.ref[0]) == 0:
             break
-    adv = S.solve_none_advantages(ro, batch, torch.zeros(3, 4), alpha=0.1, score="unlike")
+    adv = S.solve_none_advantages(batch, eq5_options.unlike_scores(ro, batch), alpha=0.1)
     s = torch.tensor([0.0, 0.5, 1.0])  # answers 1 (a copy), 2 (half), 3 (nothing shared)
     torch.testing.assert_close(adv, 0.1 * (s - s.mean()) / (s.std(unbiased=False) + 1e-6))
-    assert S.solve_none_advantages(ro, batch, torch.zeros(3, 4), alpha=0.1).abs().max() == 0  # f(D) = 0
+    no_weight = dataclasses.replace(batch, weights=torch.zeros(3, 4))  # f(D) = 0: the paper's s_i all 0
+    assert S.solve_none_advantages(batch, S.window_means(no_weight), alpha=0.1).abs().max() == 0
 
 
 def test_overlong_penalty_hand_computed():
-    got = S.overlong_penalty(torch.tensor([10, 12, 13, 14, 16]), max_len=16, buffer=4)
+    got = dapo.overlong_penalty(torch.tensor([10, 12, 13, 14, 16]), max_len=16, buffer=4)
     torch.testing.assert_close(got, torch.tensor([0.0, 0.0, -0.25, -0.5, -1.0]))
 
 
-def test_avg_and_pass_at_k_hand_computed():
-    correct = torch.tensor([[1, 0, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)
-    avg, pas = S.avg_and_pass_at_k(correct)
-    assert avg == pytest.approx(5 / 12) and pas == pytest.approx(2 / 3)
+def test_avg_and_pass_at_k_hand_computed(monkeypatch):
+    """evaluate's Avg@k and Pass@k on 3 questions x 4 samples graded by hand (1, 0 and 4 right):
+    Avg@4 = 5/12, Pass@4 = 2/3; each question's count of right samples; greedy 1 of 3."""
+    graded = iter([(["7", "x", "y"], [True, False, False], [1, 1, 1]),
+                   ([""] * 12, [bool(c) for c in (1, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1)], [1] * 12)])
+    monkeypatch.setattr(S, "eval_groups", lambda *a: next(graded))
+    problems = [{"question": q, "answer": "#### 7"} for q in ("a", "b", "c")]
+    out, per_question = S.evaluate(torch.nn.Linear(1, 1), None, problems, S.Config(eval_k=4), [0])
+    assert out["eval_avg_at_k"] == pytest.approx(5 / 12) and out["eval_pass_at_k"] == pytest.approx(2 / 3)
+    assert out["eval_greedy_acc"] == pytest.approx(1 / 3) and per_question["k_correct"] == [1, 0, 4]
 
 # ----------------------------------------------------------------------------- KL and weights
 
@@ -766,14 +789,16 @@ def test_diversity_advantage_hand_computed():
 
 @pytest.mark.parametrize("window", ["paper", "group"])
 def test_eq5_window_option_by_hand(window):
-    """--eq5-window: the paper's window L_i = min(|o_i|, |o_r|), or (not the paper's) the group's
-    shortest answer for every answer; active lengths and Eq. (5) advantages by hand."""
+    """The paper's window L_i = min(|o_i|, |o_r|) (scgrpo.py), or (variants/eq5_options.py
+    --eq5-window group, not the paper's) the group's shortest answer for every answer; active
+    lengths and Eq. (5) advantages by hand."""
     lengths, G = [3, 2, 4, 5], 4
     mask = torch.tensor([[t < n for t in range(5)] for n in lengths])
-    correct = torch.zeros(1, G)
     ro = S.Rollout([{"question": "q", "answer": "#### 1"}], [[1]], torch.ones(G, 5, dtype=torch.long), mask,
-                   ["a"] * G, correct, correct.clone())
-    batch = S.make_batch(ro, ["solve_none"], torch.zeros(1, G), random.Random(0), window=window)
+                   ["a"] * G, torch.zeros(1, G))
+    batch = S.make_batch(ro, ["solve_none"], torch.zeros(1, G), draw_references(ro, ["solve_none"], random.Random(0)))
+    if window == "group":
+        batch = dataclasses.replace(batch, n_active=eq5_options.group_window(ro, batch))
     r = int(batch.ref[0])  # o_r, every member's reference
     members = [i for i in range(G) if i != r]
     assert batch.row.tolist() == members
@@ -781,7 +806,7 @@ def test_eq5_window_option_by_hand(window):
     assert batch.n_active.tolist() == want_n
     f = torch.tensor([[0.1, 0.5, 0.3, 0.2, 0.4]] * G)[members] * torch.tensor([[1.0], [2.0], [3.0]])
     f = torch.where(torch.arange(5) < batch.n_active[:, None], f, torch.zeros_like(f))  # 0 past each window
-    adv = S.solve_none_advantages(ro, batch, f, alpha=0.1)
+    adv = S.solve_none_advantages(batch, S.window_means(dataclasses.replace(batch, weights=f)), alpha=0.1)
     s = torch.tensor([float(f[k, :n].sum()) / n for k, n in enumerate(want_n)])
     torch.testing.assert_close(adv, 0.1 * (s - s.mean()) / (s.std(unbiased=False) + 1e-6))
 
@@ -813,10 +838,10 @@ def make_batch(seed=0, B=5, L=7):
 def test_sc_loss_with_unit_weights_equals_grpo_and_gradients_match():
     logp, old, adv, lengths, mask = make_batch()
     n_seq = 8
-    scale = (1.0 / (n_seq * lengths.float()))[:, None].expand_as(logp)
-    weights = torch.rand(logp.shape, generator=torch.Generator().manual_seed(1))
+    norm = 1.0 / (n_seq * lengths.float())
+    weights = torch.rand(logp.shape, generator=torch.Generator().manual_seed(1)) * mask  # 0 off the answer
     for w in (None, weights):  # unit weights: GRPO; f(D)-like weights: J_SC, token by token
-        loss, _ = S.policy_loss(logp, old, adv, torch.ones_like(logp) if w is None else w, scale, mask, 0.2, 0.2)
+        loss, _ = S.policy_loss(logp, old, adv, mask.float() if w is None else w, norm, mask, 0.2, 0.2)
         (g1,) = torch.autograd.grad(loss, logp)
         ref = naive_grpo_loss(logp, old, adv, lengths.tolist(), n_seq, 0.2, w)
         (g2,) = torch.autograd.grad(ref, logp)
@@ -828,8 +853,8 @@ def test_loss_gives_exactly_zero_gradient_to_padding():
     logp, old, adv, lengths, mask = make_batch(seed=3)
     with torch.no_grad():
         old[~mask] = float("nan")  # garbage in padding must not leak
-    weights = torch.rand(logp.shape)
-    loss, _ = S.policy_loss(logp, old, adv, weights, torch.ones_like(logp), mask, 0.2, 0.2)
+    weights = torch.rand(logp.shape)  # even where a weight is not 0 in the padding
+    loss, _ = S.policy_loss(logp, old, adv, weights, torch.ones(len(adv)), mask, 0.2, 0.2)
     (grad,) = torch.autograd.grad(loss, logp)
     assert torch.isfinite(loss) and (grad[~mask] == 0).all() and (grad[mask] != 0).any()
     # and the real tokens get the weighted loop's gradient (scale 1: n_seq = 1, lengths 1 each)
@@ -840,8 +865,8 @@ def test_loss_gives_exactly_zero_gradient_to_padding():
 def test_dapo_token_level_loss_is_independent_of_micro_batch_split(monkeypatch):
     logp, old, adv, lengths, mask = make_batch(seed=5, B=7)
     total_tokens = int(mask.sum())
-    scale = torch.full(logp.shape, 1.0 / total_tokens)
-    w = torch.ones_like(logp)
+    norm = torch.full(adv.shape, 1.0 / total_tokens)
+    w = mask.float()
     naive = 0.0  # sum over all tokens / their count, as a loop
     for i in range(7):
         for t in range(int(lengths[i])):
@@ -852,10 +877,10 @@ def test_dapo_token_level_loss_is_independent_of_micro_batch_split(monkeypatch):
         parts, start = [], 0
         for n in split:
             sl = slice(start, start + n)
-            parts.append(S.policy_loss(logp[sl], old[sl], adv[sl], w[sl], scale[sl], mask[sl], 0.2, 0.28)[0])
+            parts.append(S.policy_loss(logp[sl], old[sl], adv[sl], w[sl], norm[sl], mask[sl], 0.2, 0.28)[0])
             start += n
         torch.testing.assert_close(sum(parts), naive)
-    for micro_batch in (1, 4, 20):  # update()'s own scale and clip-higher, split any way
+    for micro_batch in (1, 4, 20):  # variants/dapo.py's own norm and clip-higher, split any way
         check_against_reference("dapo", monkeypatch, micro_batch)
 
 # ----------------------------------------------------------------------------- model paths
@@ -957,10 +982,13 @@ def test_self_condition_kl_equals_one_teacher_forward_per_answer(tiny):
     after its own teacher prompt, full forward, KL against the sampler's student states."""
     model, tok = tiny
     cfg = S.Config(fast=True, algo="scgrpo", group_size=4, max_new_tokens=3, micro_batch=3)
-    ro = S.rollout(model, tok, cfg, tasks.make_arith()[0][:2], torch.Generator().manual_seed(3), [0])
+    ro = S.sample_groups(model, tok, cfg, tasks.make_arith()[0][:2], 4, 1.0, torch.Generator().manual_seed(3), [0],
+                         keep_states=True)
     ro.correct = torch.tensor([[1.0, 1.0, 0.0, 1.0], [0.0, 0.0, 0.0, 0.0]])
-    batch = S.make_batch(ro, ["partial", "solve_none"], S.group_advantages(ro.correct), random.Random(0))
-    batch, stats = S.self_condition(model, tok, cfg, ro, batch)
+    routes = ["partial", "solve_none"]
+    batch = S.make_batch(ro, routes, S.group_advantages(ro.correct), draw_references(ro, routes, random.Random(0)))
+    batch, stats = S.self_condition(model, cfg, ro, batch, S.teacher_prompts(tok, ro, batch))
+    batch = dataclasses.replace(batch, adv=S.solve_none_advantages(batch, S.window_means(batch), cfg.alpha_div))
     assert len(batch.route) == 7
     head = model.get_output_embeddings()
     plain = {}
@@ -1317,8 +1345,8 @@ def test_tiny_scgrpo_run_writes_sc_metrics_and_credit_page(tmp_path):
 
 
 def test_tiny_dapo_run_completes(tmp_path):
-    train, _ = run_ok(str(tmp_path / "run"), "--algo", "dapo", "--steps", "30", "--eval-every", "30", "--eval-k", "0",
-                      "--eval-n", "10")
+    train, _ = run_ok(str(tmp_path / "run"), "--steps", "30", "--eval-every", "30", "--eval-k", "0",
+                      "--eval-n", "10", program="variants/dapo.py")
     assert len(train) == 30 and all(1 <= x["sample_rounds"] <= 3 for x in train)
     check_step_lines(train, "dapo", 16, 16)
 
@@ -1348,7 +1376,6 @@ BAD_INPUT = [  # (argv, the words the one error line must hold)
     (["--prompts-per-step", "-1"], "--prompts-per-step must be a positive integer"),
     (["--max-new-tokens", "0"], "--max-new-tokens must be a positive integer"),
     (["--eval-n", "0"], "--eval-n must be a positive integer"),
-    (["--algo", "dapo", "--dapo-max-rounds", "0"], "--dapo-max-rounds must be a positive integer"),
     (["--micro-batch", "999"], "--micro-batch 999 is larger than the batch"),
     (["--lr", "abc"], "--lr: invalid float value: 'abc'"),
     (["--lr", "-1"], "--lr -1.0 is out of range: it must be > 0"),
@@ -1359,7 +1386,8 @@ BAD_INPUT = [  # (argv, the words the one error line must hold)
     (["--temperature", "nan"], "--temperature must be a finite number"),
     (["--epsilon", "-1"], "--epsilon -1.0 is out of range: it must be in (0, 1)"),
     (["--epsilon", "1.5"], "--epsilon 1.5 is out of range"),
-    (["--epsilon-high", "-0.1"], "--epsilon-high -0.1 is out of range: it must be >= 0"),
+    (["--algo", "dapo"], "--algo: invalid choice: 'dapo'"),  # DAPO is variants/dapo.py
+    (["--eq5-window", "group"], "unrecognized arguments: --eq5-window"),  # variants/eq5_options.py
     (["--c-min", "-1"], "--c-min -1.0 is out of range: it must be > 0"),
     (["--c-min", "0"], "--c-min 0.0 is out of range"),
     (["--alpha-div", "-3"], "--alpha-div -3.0 is out of range: it must be >= 0"),
@@ -1367,12 +1395,23 @@ BAD_INPUT = [  # (argv, the words the one error line must hold)
     (["--weight-decay", "-1"], "--weight-decay -1.0 is out of range: it must be >= 0"),
     (["--kl-quantile", "1"], "--kl-quantile 1.0 is out of range: it must be in (0, 1)"),
     (["--eval-k", "-1"], "--eval-k -1 is out of range: it must be >= 0"),
-    (["--overlong-buffer", "-1"], "--overlong-buffer -1 is out of range: it must be >= 0"),
-    (["--algo", "dapo", "--overlong-buffer", "2"], "--overlong-buffer must be below --max-new-tokens"),
     (["--seed", "-1"], "--seed -1 is out of range: it must be >= 0"),
     (["--resume", "/nonexistent/run"], "no checkpoint found"),
     (["--resume", "/nonexistent/run", "--lr", "1"], "only --steps may be given with it, not --lr"),
     (["--resume", "/nonexistent/run", "--eval-only"], "only --steps may be given with it"),
+]
+
+
+VARIANT_BAD_INPUT = [  # (variant, argv, the words of the one error line): each file's own checks
+    (dapo, ["--max-rounds", "0"], "--max-rounds 0 is out of range: it must be at least 1"),
+    (dapo, ["--epsilon-high", "-0.1"], "--epsilon-high -0.1 is out of range: it must be > 0"),
+    (dapo, ["--overlong-buffer", "-2"], "--overlong-buffer -2 is out of range: it must be -1, or 0 to"),
+    (dapo, ["--overlong-buffer", "2"], "--overlong-buffer 2 is out of range"),  # the tiny cap is 2
+    (dapo, ["--algo", "scgrpo"], "--algo: invalid choice: 'scgrpo'"),
+    (dapo, ["--lr", "0"], "--lr 0.0 is out of range: it must be > 0"),  # scgrpo.py's checks too
+    (eq5_options, ["--eq5-score", "copy"], "--eq5-score: invalid choice: 'copy'"),
+    (eq5_options, ["--eq5-window", "all"], "--eq5-window: invalid choice: 'all'"),
+    (eq5_options, ["--eq5-only-step", "never"], "--eq5-only-step: invalid choice: 'never'"),
 ]
 
 
@@ -1392,6 +1431,14 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(args, needle, tmp_pa
     """Every bad flag costs one stderr line and exit code 2 before a folder or file is written
     (the run folder would go to runs/ under the working directory, here an empty one)."""
     assert_refused_at_the_door(S.main, args, needle, tmp_path, monkeypatch, capsys)
+
+
+@pytest.mark.parametrize("variant,args,needle", VARIANT_BAD_INPUT,
+                         ids=[f"{v.__name__}:{' '.join(a)}" for v, a, _ in VARIANT_BAD_INPUT])
+def test_a_variants_bad_input_exits_2_with_one_line_and_writes_nothing(variant, args, needle, tmp_path,
+                                                                          monkeypatch, capsys):
+    """A variant's own flags are checked by the same rules as scgrpo.py's (its Config's rule)."""
+    assert_refused_at_the_door(variant_main(variant), args, needle, tmp_path, monkeypatch, capsys)
 
 
 @pytest.mark.parametrize("model,needle", [("does-not-exist", "could not load model 'does-not-exist'"),
@@ -1447,12 +1494,12 @@ def test_eval_only_scores_the_tiny_model_and_a_saved_run_as_training_did(tmp_pat
     assert sum(line["k_correct"]) / (2 * len(test)) == want["eval_avg_at_k"]
     # the untrained model gets every sum wrong: per-question grades of a scored mix, by hand
     fixed = (["\\boxed{7}", "\\boxed{8}", "no number"], [True, False, False], [4, 4, 3])
-    real = S.answer_and_verify
-    S.answer_and_verify = lambda *a: fixed
+    real = S.eval_groups
+    S.eval_groups = lambda *a: fixed
     try:
         mix, graded = S.evaluate(model, tok, test[:3], dataclasses.replace(cfg, eval_k=0), [0])
     finally:
-        S.answer_and_verify = real
+        S.eval_groups = real
     assert mix == {"eval_greedy_acc": 1 / 3} and graded["correct"] == [True, False, False]
     assert graded["answer"] == [S.extract_answer(t) for t in fixed[0]] and graded["length"] == [4, 4, 3]
     run_dir = tmp_path / "run"
@@ -1520,7 +1567,7 @@ def test_nonfinite_loss_is_skipped_and_counted(tiny, monkeypatch):
     real = S.policy_loss
     monkeypatch.setattr(S, "policy_loss", lambda *a, **k: (real(*a, **k)[0] * float("nan"), real(*a, **k)[1]))
     for seed in range(20):  # until a step has a group with a gradient
-        m, _ = S.train_step(model, opt, tok, cfg, rows, tasks.Batcher(len(rows), seed), random.Random(0),
+        m, _ = S.train_step(model, opt, tok, cfg, tasks.Batcher(rows, seed), random.Random(0),
                             torch.Generator().manual_seed(seed), [0])
         if m["answers_updated"]:
             break
@@ -1575,6 +1622,46 @@ def test_resume_with_more_steps_equals_one_long_run(tmp_path):
     assert len(train_lines(short)) == 40
 
 
+def test_a_variants_run_resumes_through_its_own_file_and_evaluates_through_scgrpo_py(tmp_path, capsys):
+    """A DAPO run (variants/dapo.py) saves its program and its own settings with it: resumed through
+    its file with more steps it equals one long run (one thread); scgrpo.py refuses to resume it, in
+    one line naming the file that can; scgrpo.py --eval-only scores its final model as its own last
+    evaluation did (the variant's settings are not needed to evaluate)."""
+    args = ["--eval-every", "1000", "--eval-k", "0", "--eval-n", "10", "--seed", "5", "--max-rounds", "2"]
+    long_, short = str(tmp_path / "long"), str(tmp_path / "short")
+    for out, steps in ((long_, "12"), (short, "7")):
+        assert run(*args, "--steps", steps, "--out", out, env=ONE_THREAD, program="variants/dapo.py").returncode == 0
+    with open(os.path.join(short, "config.json")) as f:
+        saved = json.load(f)
+    assert saved["program"] == "variants/dapo.py" and saved["max_rounds"] == 2 and saved["algo"] == "dapo"
+    with pytest.raises(SystemExit) as e:
+        S.main(["--resume", short, "--steps", "12"])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1
+    assert f"resume it with python variants/dapo.py --resume {short}" in err
+    r = run("--resume", short, "--steps", "12", env=ONE_THREAD, program="variants/dapo.py")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert train_lines(short, after=7) == train_lines(long_, after=7) and len(train_lines(short)) == 12
+    S.main(["--eval-only", "--model", os.path.join(long_, "final"), "--out", str(tmp_path / "eval")])
+    with open(tmp_path / "eval" / "eval.json") as f:
+        assert json.load(f)["eval_greedy_acc"] == read_metrics(long_)[-1]["eval_greedy_acc"]
+
+
+def test_eq5_options_with_no_flag_are_scgrpo_py(monkeypatch):
+    """variants/eq5_options.py's step with its options off is scgrpo.py's train_step: on REF_TABLE (a
+    partial, a solve-none, a fallback and a skipped group) the same Batch reaches the update, and the
+    same metrics and gradients come out."""
+    got = {name: project_step("scgrpo", monkeypatch, lr=0.03, epochs=1, variant=name)
+           for name in ("scgrpo", "eq5_options")}
+    (_, batch_a, m_a, g_a), (_, batch_b, m_b, g_b) = got["scgrpo"], got["eq5_options"]
+    for f in dataclasses.fields(batch_a):
+        a, b = getattr(batch_a, f.name), getattr(batch_b, f.name)
+        assert (torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b), f.name
+    drop = lambda m: {k: v for k, v in m.items() if not k.startswith("t_")}  # noqa: E731
+    assert drop(m_a) == drop(m_b) and m_a["groups_none"] == 1
+    assert all(torch.equal(a, b) for a, b in zip(g_a[0], g_b[0]))
+
+
 def test_confirmatory_set_is_1000_new_sums_in_the_training_wording():
     """The confirmatory study's held-out set: 1,000 distinct two-digit sums, asked as training asks,
     none of them a training or test question of the addition task; every gold answer verifies;
@@ -1617,7 +1704,7 @@ def test_gradient_checkpointing_gives_the_same_update():
         rows, _ = tasks.make_arith()
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
         with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
-            m, _ = S.train_step(model, opt, tok, cfg, rows, tasks.Batcher(len(rows), 0), random.Random(0),
+            m, _ = S.train_step(model, opt, tok, cfg, tasks.Batcher(rows, 0), random.Random(0),
                                 torch.Generator().manual_seed(0), [0])
         assert m["answers_updated"] > 0 and not model.training
         params.append([p.detach().clone() for p in model.parameters()])
@@ -1631,15 +1718,15 @@ def test_presets_adapt_to_explicit_flags_and_explicit_flags_win():
     cfg, _ = cli.parse_config(S.Config, S.PRESETS, ["--prompts-per-step", "2", "--group-size", "3"])
     assert (cfg.lr, cfg.max_new_tokens, cfg.micro_batch) == (3e-4, 2, 6)  # tiny preset, micro-batch fits the batch
     cfg, _ = cli.parse_config(S.Config, S.PRESETS, ["--model", "some/hub-model", "--max-new-tokens", "64", "--lr", "2e-6"])
-    assert (cfg.lr, cfg.overlong_buffer, cfg.grad_checkpoint, cfg.group_size) == (2e-6, 16, True, 8)
-    cfg, _ = cli.parse_config(S.Config, S.PRESETS, ["--no-grad-checkpoint", "--overlong-buffer", "0", "--model", "x/y"])
-    assert cfg.grad_checkpoint is False and cfg.overlong_buffer == 0
+    assert (cfg.lr, cfg.max_new_tokens, cfg.grad_checkpoint, cfg.group_size) == (2e-6, 64, True, 8)
+    cfg, _ = cli.parse_config(S.Config, S.PRESETS, ["--no-grad-checkpoint", "--model", "x/y"])
+    assert cfg.grad_checkpoint is False and cfg.micro_batch == 8
 
 
 def test_clip_count_hand_computed():
     ratio = torch.tensor([[1.0, 1.1, 1.3, 0.7], [0.85, 1.25, 2.0, 0.1]])
     mask = torch.tensor([[True, True, True, True], [True, True, True, False]])
-    _, n = S.policy_loss(ratio.log(), torch.zeros(2, 4), torch.ones(2), torch.ones(2, 4), torch.ones(2, 4), mask, 0.2, 0.28)
+    _, n = S.policy_loss(ratio.log(), torch.zeros(2, 4), torch.ones(2), mask.float(), torch.ones(2), mask, 0.2, 0.28)
     assert n == 3  # 1.3 and 0.7 in row 0, 2.0 in row 1 (1.25 < 1.28; 0.1 is padding)
 
 
@@ -1660,7 +1747,7 @@ def test_ppo_epochs_reuse_frozen_old_logprobs():
             steps.append([p.detach().clone() for p in model.parameters()])
             return real_step(*a, **k)
         opt.step = recording_step
-        m, _ = S.train_step(model, opt, tok, cfg, rows, tasks.Batcher(len(rows), 0), random.Random(0),
+        m, _ = S.train_step(model, opt, tok, cfg, tasks.Batcher(rows, 0), random.Random(0),
                             torch.Generator().manual_seed(0), [0])
         assert m["answers_updated"] > 0 and len(steps) == mu
         # the second epoch's ratios are pi_theta / frozen pi_old, no longer 1: the clip acts
@@ -1798,7 +1885,8 @@ def test_smollm2_runs_each_algorithm_and_saves_a_model_that_reloads(algo, tmp_pa
                    ["--model", request.getfixturevalue("smollm2_folder"), "--temperature", "0.8", "--eval-k", "0"])
     train, evals = run_ok(out, *model_flags, "--task", "addition", "--algo", algo, "--steps", "2",
                           "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "12",
-                          "--micro-batch", "8", "--eval-every", "2", "--eval-n", "4", "--seed", "1")
+                          "--micro-batch", "8", "--eval-every", "2", "--eval-n", "4", "--seed", "1",
+                          program="variants/dapo.py" if algo == "dapo" else "scgrpo.py")
     assert len(train) == 2 and [e["step"] for e in evals] == [0, 2]
     for x in train:
         assert all(math.isfinite(v) for v in x.values() if isinstance(v, float)), x
@@ -1826,9 +1914,10 @@ def test_smollm2_runs_each_algorithm_and_saves_a_model_that_reloads(algo, tmp_pa
 
 
 def test_readme_reading_table_names_what_scgrpo_defines_in_its_order():
-    """README's 'Reading the code' table: every name in it is defined at the top level of scgrpo.py
-    (a def, a class or an assignment), in the table's order, and its line counts are the file's."""
-    with open(os.path.join(HERE, "README.md"), encoding="utf-8") as f:
+    """docs/notes.md's 'Reading the code' table: every name in it is defined at the top level of
+    scgrpo.py (a def, a class or an assignment), in the table's order, and the line counts there
+    and in README are the file's."""
+    with open(os.path.join(HERE, "docs", "notes.md"), encoding="utf-8") as f:
         section = f.read().split("## Reading the code")[1].split("A test holds")[0]
     with open(os.path.join(HERE, "scgrpo.py"), encoding="utf-8") as f:
         src = f.read()
@@ -1841,8 +1930,60 @@ def test_readme_reading_table_names_what_scgrpo_defines_in_its_order():
         assert found, name
         at.append(found[0])
     assert at == sorted(at), [n for n, a, b in zip(names, at, sorted(at)) if a != b]
-    counts = re.search(r"\(([\d,]+) lines, ([\d,]+) of them code\)", section)
-    assert (int(counts[1].replace(",", "")), int(counts[2].replace(",", ""))) == (len(lines), code_lines(src))
+    with open(os.path.join(HERE, "README.md"), encoding="utf-8") as f:
+        readme = f.read()
+    for text in (section, readme):
+        counts = re.search(r"\(([\d,]+) lines, ([\d,]+) of them code\)", text)
+        assert (int(counts[1].replace(",", "")), int(counts[2].replace(",", ""))) == (len(lines), code_lines(src))
+
+
+def heading_anchors(path):
+    """The section anchors GitHub gives a Markdown file's headings: lower case, punctuation but
+    '-' and '_' dropped, spaces as '-', a repeated heading numbered -1, -2, ..."""
+    out, seen = set(), {}
+    with open(path, encoding="utf-8") as f:
+        text = re.sub(r"^```.*?^```", "", f.read(), flags=re.M | re.S)
+    for title in re.findall(r"^#{1,6}\s+(.+?)\s*#*\s*$", text, re.M):
+        anchor = re.sub(r"[^\w\- ]", "", title.lower()).replace(" ", "-")
+        out.add(anchor if anchor not in seen else f"{anchor}-{seen[anchor]}")
+        seen[anchor] = seen.get(anchor, 0) + 1
+    return out
+
+
+def test_docs_links_resolve_the_index_lists_every_page_and_readme_fits_a_page():
+    """Every relative link of README, variants/README.md and docs/**/*.md (studies' run logs aside)
+    points to a file that exists and, with a #section, to a heading of that file; docs/README.md
+    links every page of docs/ (bench/ and a folder of raw outputs with its own README are one link
+    each); no benchmark or profile
+    output sits at docs/'s top level; README is at most 150 lines and 1,500 words."""
+    pages = [os.path.join(HERE, "README.md"), os.path.join(HERE, "variants", "README.md")]
+    pages += [p for p in glob.glob(os.path.join(HERE, "docs", "**", "*.md"), recursive=True)
+              if "run_logs" not in p and os.sep + "bench" + os.sep not in p]
+    broken = []
+    for page in pages:
+        with open(page, encoding="utf-8") as f:
+            text = re.sub(r"^```.*?^```", "", f.read(), flags=re.M | re.S)  # code blocks hold no links
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target):
+                continue  # a web address
+            path, _, anchor = target.partition("#")
+            full = os.path.normpath(os.path.join(os.path.dirname(page), path)) if path else page
+            if not os.path.exists(full) or (anchor and full.endswith(".md") and anchor not in heading_anchors(full)):
+                broken.append(f"{os.path.relpath(page, HERE)}: {target}")
+    assert broken == []
+    with open(os.path.join(HERE, "docs", "README.md"), encoding="utf-8") as f:
+        index = f.read()
+    linked = {os.path.normpath(os.path.join(HERE, "docs", t.partition("#")[0]))
+              for t in re.findall(r"\]\(([^)\s]+)\)", index)}
+    # a page is listed when the index links it, or the README of its own folder (raw outputs)
+    unlisted = [os.path.relpath(p, HERE) for p in pages if p.startswith(os.path.join(HERE, "docs") + os.sep)
+                and p != os.path.join(HERE, "docs", "README.md") and p not in linked
+                and os.path.join(os.path.dirname(p), "README.md") not in linked]
+    assert unlisted == [] and os.path.join(HERE, "docs", "bench") in linked
+    assert not [n for n in os.listdir(os.path.join(HERE, "docs")) if re.match(r"(bench|profile)_", n)]
+    with open(os.path.join(HERE, "README.md"), encoding="utf-8") as f:
+        readme = f.read()
+    assert len(readme.splitlines()) <= 150 and len(readme.split()) <= 1500
 
 
 def code_lines(src):
@@ -1860,24 +2001,32 @@ def code_lines(src):
 
 
 def test_source_reads_as_declared_and_help_comes_from_the_config(capsys):
-    """scgrpo.py is at most 700 lines, 450 of code, with its sections in data-flow order; no
-    line of it or its companions over 100 columns, no companion over 400 lines; none of them
-    imports scgrpo.py (no cycle); --help shows each Config field's own help text."""
-    names = ["scgrpo.py"] + [os.path.join("machinery", n) for n in
-                             sorted(os.listdir(os.path.join(HERE, "machinery"))) if n.endswith(".py")]
+    """scgrpo.py is at most 600 lines, 400 of code, with its sections in data-flow order and no
+    variant's branch in it; no line of it, its companions or its variants over 100 columns, no
+    companion over 400 lines, no variant over 150; no companion imports scgrpo.py (no cycle), each
+    variant does and assigns none of its names; --help shows each Config field's own help text, a
+    variant's too."""
+    folders = {"machinery": "companion", "variants": "variant"}
+    names = {"scgrpo.py": "story", **{os.path.join(d, n): kind for d, kind in folders.items()
+                                      for n in sorted(os.listdir(os.path.join(HERE, d))) if n.endswith(".py")}}
     src = {}
-    for name in names:
+    for name, kind in names.items():
         with open(os.path.join(HERE, name), encoding="utf-8") as f:
             src[name] = f.read()
         assert [i + 1 for i, line in enumerate(src[name].splitlines()) if len(line) > 100] == [], name
-        if name != "scgrpo.py":
-            assert len(src[name].splitlines()) <= 400, name
-            assert not re.search(r"^\s*(import scgrpo|from scgrpo)", src[name], re.M), name
+        imports = re.search(r"^\s*(import scgrpo|from scgrpo)", src[name], re.M)
+        if kind == "companion":
+            assert len(src[name].splitlines()) <= 400 and not imports, name
+        if kind == "variant":
+            assert len(src[name].splitlines()) <= 150 and imports, name
+            assert not re.search(r"^\s*S\.\w+ = ", src[name], re.M), name  # no patching of scgrpo
     lines = src["scgrpo.py"].splitlines()
-    assert len(lines) <= 700 and code_lines(src["scgrpo.py"]) <= 450
-    order = ["class Config", "def verify", "def encode_prompt", "def sample", "def rollout",
-             "def group_advantages", "def route_groups", "def teacher_kl", "def sc_weights",
-             "def diversity_advantages", "def self_condition", "def policy_loss", "def update", "def train_step",
+    assert len(lines) <= 600 and code_lines(src["scgrpo.py"]) <= 400
+    assert not re.search(r"dapo|eq5_(window|score|only_step)|overlong|epsilon_high|usable", src["scgrpo.py"], re.I)
+    order = ["class Config", "def verify", "def encode_prompt", "def sample", "def sample_answers",
+             "def sample_groups", "def group_advantages", "def route_groups", "def make_batch",
+             "def teacher_prompts", "def teacher_kl", "def sc_weights", "def self_condition",
+             "def diversity_advantages", "def policy_loss", "def update", "def train_step",
              "def evaluate", "def train(", "def main"]
     at = [next(i for i, line in enumerate(lines) if line.startswith(key)) for key in order]
     assert at == sorted(at), [k for k, a, b in zip(order, at, sorted(at)) if a != b]
@@ -1886,6 +2035,12 @@ def test_source_reads_as_declared_and_help_comes_from_the_config(capsys):
     out = "".join(capsys.readouterr().out.split())  # argparse re-wraps, also at hyphens
     for f in dataclasses.fields(S.Config):
         assert "".join(f.metadata["help"].split()) in out, f.name
+    for variant in (dapo, eq5_options):
+        with pytest.raises(SystemExit):
+            variant_main(variant)(["--help"])
+        out = "".join(capsys.readouterr().out.split())
+        for f in dataclasses.fields(variant.Config):
+            assert "".join(f.metadata["help"].split()) in out, (variant.__name__, f.name)
 
 # ----------------------------------------------------------------------------- the GPU path, checked on a CPU
 
@@ -1941,12 +2096,13 @@ def test_kl_floor_with_the_students_own_prompt_as_teacher(reader, dtype, monkeyp
     monkeypatch.setattr(S, "encode_prompt", lambda tok, q, reference=None: real(tok, q))
     monkeypatch.setattr(model, "autocast_dtype", dtype, raising=False)
     cfg = S.Config(fast=True, algo="scgrpo", group_size=8, max_new_tokens=max_new, temperature=0.8, micro_batch=16)
-    ro = S.rollout(model, tok, cfg, tasks.TASKS[task]()[0][:2], torch.Generator().manual_seed(0),
-                   models.stop_ids(model, tok))
+    ro = S.sample_groups(model, tok, cfg, tasks.TASKS[task]()[0][:2], 8, 0.8, torch.Generator().manual_seed(0),
+                         models.stop_ids(model, tok), keep_states=True)
     assert (ro.hidden is None) == (dtype is not None)  # bf16 keeps no sampler states
     ro.correct = torch.tensor([[1.0, 1.0, 1.0, 0, 0, 0, 0, 0]] * 2)
-    batch = S.make_batch(ro, ["partial"] * 2, S.group_advantages(ro.correct), random.Random(0))
-    batch, stats = S.self_condition(model, tok, cfg, ro, batch, encode=S.encode_prompt)
+    routes = ["partial"] * 2
+    batch = S.make_batch(ro, routes, S.group_advantages(ro.correct), draw_references(ro, routes, random.Random(0)))
+    batch, stats = S.self_condition(model, cfg, ro, batch, S.teacher_prompts(tok, ro, batch))
     active = torch.arange(batch.kl.shape[1]) < batch.n_active[:, None]
     enough = 51 if task == "addition" else 16  # the tiny model's answers are at most 2 tokens
     assert active.sum() >= enough and stats["kl_nonfinite"] == 0
@@ -1956,8 +2112,8 @@ def test_kl_floor_with_the_students_own_prompt_as_teacher(reader, dtype, monkeyp
         return  # bf16's D is 0.07-0.3 nats off a plain fp32 forward here: too loose to tell
     # D = 0 reads the same both ways; with a real reference, D must be KL(teacher || student)
     monkeypatch.setattr(S, "encode_prompt", real)
-    batch = S.make_batch(ro, ["partial"] * 2, S.group_advantages(ro.correct), random.Random(0))
-    batch, _ = S.self_condition(model, tok, cfg, ro, batch)
+    batch = S.make_batch(ro, routes, S.group_advantages(ro.correct), draw_references(ro, routes, random.Random(0)))
+    batch, _ = S.self_condition(model, cfg, ro, batch, S.teacher_prompts(tok, ro, batch))
     for m in range(3):
         n, j = int(batch.row[m]), int(batch.ref[m])
         o = ro.ids[n][ro.mask[n]].tolist()
@@ -1986,16 +2142,17 @@ def test_bf16_d_and_logprobs_follow_the_fp32_plain_lines_within_bf16_rounding(re
     T = 0.8
     cfg = S.Config(fast=True, algo="scgrpo", group_size=8, max_new_tokens=max_new, temperature=T, micro_batch=16)
     plain = dataclasses.replace(cfg, fast=False)
-    ro = S.rollout(model, tok, cfg, tasks.TASKS[task]()[0][:1], torch.Generator().manual_seed(0),
-                   models.stop_ids(model, tok))
+    ro = S.sample_groups(model, tok, cfg, tasks.TASKS[task]()[0][:1], 8, T, torch.Generator().manual_seed(0),
+                         models.stop_ids(model, tok), keep_states=True)
     ro.correct = torch.tensor([[1.0, 1.0, 1.0, 0, 0, 0, 0, 0]])
-    batch = S.make_batch(ro, ["partial"], S.group_advantages(ro.correct), random.Random(0))
-    fp32, _ = S.self_condition(model, tok, plain, ro, batch)
+    batch = S.make_batch(ro, ["partial"], S.group_advantages(ro.correct), draw_references(ro, ["partial"], random.Random(0)))
+    prompts = S.teacher_prompts(tok, ro, batch)
+    fp32, _ = S.self_condition(model, plain, ro, batch, prompts)
     with torch.no_grad():
         lp_fp32, mask = S.answer_logprobs(model, plain, ro, batch)
     try:
         models.set_precision(model, True)
-        bf16, _ = S.self_condition(model, tok, cfg, dataclasses.replace(ro, hidden=None, lse=None), batch)
+        bf16, _ = S.self_condition(model, cfg, dataclasses.replace(ro, hidden=None, lse=None), batch, prompts)
         with models.training(model, torch.optim.SGD(model.parameters(), lr=0.0), False), torch.no_grad():
             lp_bf16, _ = S.answer_logprobs(model, cfg, ro, batch)
         copy = models.no_grad_model(model)
@@ -2063,10 +2220,12 @@ def test_nonfinite_kl_gets_weight_zero_is_left_out_of_c_and_is_said(tiny, monkey
         return d
     monkeypatch.setattr(S, "teacher_kl", one_nan)
     cfg = S.Config(fast=True, algo="scgrpo", group_size=4, max_new_tokens=3, micro_batch=16)
-    ro = S.rollout(model, tok, cfg, tasks.make_arith()[0][:2], torch.Generator().manual_seed(3), [0])
+    ro = S.sample_groups(model, tok, cfg, tasks.make_arith()[0][:2], 4, 1.0, torch.Generator().manual_seed(3), [0],
+                         keep_states=True)
     ro.correct = torch.tensor([[1.0, 1.0, 0.0, 1.0], [1.0, 1.0, 0.0, 0.0]])
-    batch = S.make_batch(ro, ["partial", "partial"], S.group_advantages(ro.correct), random.Random(0))
-    batch, stats = S.self_condition(model, tok, cfg, ro, batch)
+    routes = ["partial", "partial"]
+    batch = S.make_batch(ro, routes, S.group_advantages(ro.correct), draw_references(ro, routes, random.Random(0)))
+    batch, stats = S.self_condition(model, cfg, ro, batch, S.teacher_prompts(tok, ro, batch))
     assert stats["kl_nonfinite"] == 1 and math.isfinite(stats["c"]) and math.isfinite(stats["kl_p95"])
     assert torch.isfinite(batch.weights).all() and (batch.weights[batch.kl.isnan()] == 0).all()
     assert "1 non-finite KL values" in capsys.readouterr().out
@@ -2194,19 +2353,29 @@ def test_evaluation_never_samples_more_rows_than_a_training_step(tiny, monkeypat
 
 def test_gpu_check_script_runs_at_toy_sizes_on_the_cpu():
     """bench.py --gpu-check is what a lent GPU runs; at toy sizes it must pass here too."""
-    r = subprocess.run([sys.executable, os.path.join(HERE, "tools", "bench.py"), "--gpu-check", "--small", "--device", "cpu"],
+    r = subprocess.run([sys.executable, os.path.join(HERE, "tools", "bench.py"), "--gpu-check", "--small", "--device", "cpu",
+                        "--out", "-"],
                        capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT, cwd=HERE)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "0 failed" in r.stdout and r.stdout.count("| PASS |") >= 12
 
-def test_bench_builds_its_own_random_model_of_a_named_shape():
+def test_bench_builds_its_own_random_model_of_a_named_shape(tmp_path):
     """bench.py's documented commands need nothing outside the repository: --model random:ARCH
-    builds the model (Qwen's 151,936-entry vocabulary) and the questions are the built-in ones."""
+    builds the model (Qwen's 151,936-entry vocabulary) and the questions are the built-in ones;
+    what it prints is also written to --out after the command line (by default to docs/bench/,
+    named by date, machine kind and commit)."""
+    out = tmp_path / "bench.md"
     r = subprocess.run([sys.executable, os.path.join(HERE, "tools", "bench.py"), "--model", "random:qwen-tiny", "--impls",
                         "grpo", "--steps", "1", "--prompts-per-step", "1", "--group-size", "2", "--micro-batch", "2",
-                        "--max-new-tokens", "4"], capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT, cwd=HERE)
+                        "--max-new-tokens", "4", "--out", str(out)], capture_output=True, text=True,
+                       timeout=SUBPROCESS_TIMEOUT, cwd=HERE)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "| grpo |" in r.stdout and "1 prompts x 2 answers x 4 new tokens" in r.stdout
+    head, _, body = out.read_text().partition("\n\n")
+    assert head.startswith("`python ") and "--model random:qwen-tiny" in head and body == r.stdout
+    default = machinery.bench_output("bench_x_1q", "md")
+    assert os.path.dirname(default) == os.path.join(HERE, "docs", "bench")
+    assert re.fullmatch(r"20\d\d-\d\d-\d\d_(epyc|xeon|cpu)_[0-9a-f]{7,}(-dirty)?_bench_x_1q\.md", os.path.basename(default))
     r = subprocess.run([sys.executable, os.path.join(HERE, "tools", "bench.py"), "--model", "random:qwen-9b"],
                        capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT, cwd=HERE)
     assert r.returncode == 2 and "unknown shape" in r.stderr and "Traceback" not in r.stderr
@@ -2682,6 +2851,24 @@ def stale_study(out, steps, *flags):
                           capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT, cwd=HERE, env=ONE_THREAD)
 
 
+def test_compare_runs_each_arm_through_its_program_and_fingerprints_that_file(tmp_path):
+    """compare.py runs DAPO and the Eq. (5) options through their variant files: every arm's
+    program exists and accepts the arm's flags (parsed as that program parses them, nothing run),
+    and a run's fingerprint covers its variant file and no other."""
+    import compare as C
+    assert {a: C.program(a) for a in ("grpo", "scgrpo", "dapo", "scgrpo-skip", "scgrpo-window")} == {
+        "grpo": "scgrpo.py", "scgrpo": "scgrpo.py", "dapo": "variants/dapo.py",
+        "scgrpo-skip": "variants/eq5_options.py", "scgrpo-window": "variants/eq5_options.py"}
+    configs = {"scgrpo.py": S.Config, "variants/dapo.py": dapo.Config, "variants/eq5_options.py": eq5_options.Config}
+    for arm, (algo, flags) in C.ARMS.items():
+        flags = flags if isinstance(flags, list) else ["--lr", "1e-5"]  # scgrpo-lr: derived from runs
+        cfg, _ = cli.parse_config(configs[C.program(arm)], S.PRESETS,
+                                  ["--algo", algo, *flags, "--out", str(tmp_path / arm)])
+        assert cfg.algo == algo, arm
+    assert b"variants/dapo.py\0" in C.code_bytes("dapo") and not re.search(rb"variants/\w+\.py\0", C.code_bytes("scgrpo"))
+    assert b"variants/eq5_options.py\0" in C.code_bytes("scgrpo-window")
+
+
 def test_compare_keeps_a_run_of_other_code_or_flags_and_reruns_only_into_a_new_folder(tmp_path):
     """A cached run whose fingerprint (code and flags) no longer matches is kept untouched and named
     in one line; the study runs into <arm>-s<seed>-v2, which the next study with those flags reads
@@ -2951,15 +3138,24 @@ def test_trl_truncated_and_unscorable_answers_are_never_references(tmp_path):
         assert out["advantages"][[0, 1, 2, 3, REF_G]].abs().sum() > 0
 
 
-def test_references_skip_answers_that_are_not_usable():
+@needs_trl
+def test_trl_references_skip_answers_that_are_not_usable():
+    """trl_scgrpo.usable_references: a partial group's references are its verified answers (so
+    usable); a solve-none group draws o_r among its usable answers, and an unusable answer gets no
+    reference (no row); with every answer usable the draws are scgrpo.pick_references's."""
+    import trl_scgrpo as T
     rng = random.Random(0)
     usable = [True, False, True, True, False]
     for _ in range(500):
-        for i, j in enumerate(S.pick_references([1, 1, 0, 1, 0], "partial", rng, usable)):
+        for i, j in enumerate(T.usable_references([1, 0, 0, 1, 0], "partial", rng, usable)):
             assert j in (0, 3) and j != i
-        refs = S.pick_references([0] * 5, "solve_none", rng, usable)
-        assert refs.index(None) in (0, 2, 3)
-    assert S.pick_references([0] * 5, "solve_none", random.Random(3)) == S.pick_references([0] * 5, "solve_none", random.Random(3), [True] * 5)
+        refs = T.usable_references([0] * 5, "solve_none", rng, usable)
+        (o_r,) = {j for j in refs if j is not None}
+        assert o_r in (0, 2, 3) and refs[1] is refs[4] is refs[o_r] is None and refs.count(None) == 3
+    assert T.usable_references([0] * 5, "solve_none", rng, [False] * 5) == [None] * 5
+    for seed in range(20):
+        assert T.usable_references([0] * 5, "solve_none", random.Random(seed), [True] * 5) == \
+            S.pick_references([0] * 5, "solve_none", random.Random(seed))
 
 
 @needs_trl

@@ -55,6 +55,7 @@ import os
 import random
 import sys
 import warnings
+from dataclasses import replace
 
 import torch
 from accelerate.utils import gather_object, is_peft_model
@@ -104,6 +105,17 @@ def teacher_conversation(conversation, reference, tiny=False):
     else:
         messages.insert(0, {"role": "system", "content": extra.lstrip()})
     return messages
+
+
+def usable_references(correct, route, rng, usable):
+    """scgrpo.pick_references, except in a solve-none group: its reference o_r is drawn among its
+    usable answers only (an emptied answer has no text to condition on), and an unusable answer
+    gets no reference, so no row and no score in Eq. (5) (an empty one would score 0 / 0)."""
+    if route != "solve_none":  # a partial group's references are correct, hence usable
+        return S.pick_references(correct, route, rng)
+    candidates = [i for i in range(len(correct)) if usable[i]]
+    r = rng.choice(candidates) if candidates else None
+    return [None if i == r or not usable[i] else r for i in range(len(correct))]
 
 
 def text_of(completion):
@@ -176,8 +188,9 @@ class SCGRPOTrainer(GRPOTrainer):
         return rewards
 
     def rollout(self, inputs, out):
-        """The whole generation batch (all processes) as a scgrpo.Rollout; no sampler states,
-        so self_condition re-scores the student in the teacher's pass."""
+        """The whole generation batch (all processes) as a scgrpo.Rollout (no sampler states, so
+        self_condition re-scores the student in the teacher's pass), its summed rewards (B, G)
+        and which answers are usable (B, G)."""
         def unpadded(ids, mask):
             return [i[m.bool()].tolist() for i, m in zip(ids, mask)]
         G, device = self.num_generations, out["completion_ids"].device
@@ -192,26 +205,33 @@ class SCGRPOTrainer(GRPOTrainer):
         usable = self._sc_scored.cpu().view(-1, G) & (mask.sum(1) > 0).view(-1, G)   # (B, G)
         texts = self.processing_class.batch_decode(answers, skip_special_tokens=True)
         reward = torch.where(usable, reward, torch.zeros_like(reward))  # unusable: a wrong answer
-        return S.Rollout(problems=[{"question": c, "answer": ""} for c in conversations[::G]],
-                         prompts=prompts[::G], ids=ids.to(device), mask=mask.to(device), texts=texts,
-                         correct=(reward > 0.5).float(), reward=reward), usable
+        ro = S.Rollout(problems=[{"question": c, "answer": ""} for c in conversations[::G]],
+                       prompts=prompts[::G], ids=ids.to(device), mask=mask.to(device), texts=texts,
+                       correct=(reward > 0.5).float())
+        return ro, reward, usable
 
     def _generate_and_score_completions(self, inputs):
         out = super()._generate_and_score_completions(inputs)
         if not self.model.training:  # evaluation keeps TRL's advantages (they are not used)
             return out
-        ro, usable = self.rollout(inputs, out)
-        adv = S.group_advantages(ro.reward)                                        # Eq. (1)
-        routes = S.route_groups(ro.reward, "scgrpo")
-        batch = S.make_batch(ro, routes, adv, self.sc_rng, usable)
+        ro, reward, usable = self.rollout(inputs, out)
+        adv = S.group_advantages(reward)                                           # Eq. (1)
+        routes = S.route_groups(reward, "scgrpo")
+        refs = [usable_references(c, route, self.sc_rng, ok) for c, route, ok in
+                zip(ro.correct.bool().tolist(), routes, usable.tolist())]
+        batch = S.make_batch(ro, routes, adv, refs)
         model = self.accelerator.unwrap_model(self.model)
         stats = {}
         if bool((batch.ref >= 0).any()):
             training = model.training
             model.eval()  # under activation checkpointing HF drops the KV cache in train mode
             set_precision(model, self.args.bf16, weights_copy=False)  # TRL's bf16: autocast
-            batch, stats = S.self_condition(model, self.processing_class, self.sc_cfg, ro, batch,
-                                            encode=self.encode_teacher)
+            tok, G = self.processing_class, ro.G
+            prompts = {j: self.encode_teacher(tok, ro.problems[j // G]["question"], ro.texts[j])
+                       for j in batch.ref.unique().tolist() if j >= 0}  # Eq. (4), TRL's chat
+            batch, stats = S.self_condition(model, self.sc_cfg, ro, batch, prompts)
+            batch = replace(batch, adv=S.solve_none_advantages(batch, S.window_means(batch),
+                                                               self.sc_cfg.alpha_div))  # Eq. (5)
             model.train(training)
         per_token = torch.zeros(ro.ids.shape, device=ro.ids.device)               # (N, L)
         per_token[batch.row] = batch.adv[:, None].to(per_token.device) * batch.weights

@@ -6,16 +6,19 @@ arguments), so a reader of the method can skip this folder whole.
   cli.py       command line -> Config: presets, flag checks (bad input: one line, exit 2)
   tasks.py     the offline tasks, GSM8K-schema files, the hub dataset, the question order
   models.py    device and precision, the built-in tiny model, GGUF files, hub models
-  runs.py      the run folder: metrics and samples, checkpoints, resume, Ctrl-C, phase timings
+  runs.py      the run folder: metrics and samples, checkpoints, resume, Ctrl-C
+  metrics.py   what a step logs: the teacher's numbers, the update's, the seconds of each phase
   tracking.py  --report-to: the same numbers to TensorBoard, W&B or Trackio (opt-in)
   credit.py    the token-credit page (which tokens SC-GRPO weighted, shaded by f(D))
   batching.py  token lists <-> padded tensors: left padding, decoding, joining rollouts
   speed.py     the fast equals of scgrpo.py's plain lines (--fast), held equal by the tests
 """
 import argparse
+import datetime
 import importlib.metadata
 import os
 import platform
+import subprocess
 import sys
 
 
@@ -61,3 +64,47 @@ def machine():
     name = info.get("model name", platform.processor() or platform.machine())
     return (f"{name} ({' '.join(bf16) or 'no bf16 flags'}), {os.cpu_count()} cores, "
             f"torch {importlib.metadata.version('torch')}\n")
+
+
+def machine_kind(device="cpu"):
+    """A short name for the machine a measurement ran on: the GPU's model on CUDA (h100, h200, ...),
+    else the CPU's kind (epyc, xeon), or 'cpu' for another one."""
+    if str(device).startswith("cuda"):
+        import torch
+        words = torch.cuda.get_device_name().lower().replace("nvidia", "").split()
+        return words[0] if words else "gpu"
+    name = cpu_info().get("model name", "").lower()
+    return "epyc" if "epyc" in name else "xeon" if "xeon" in name else "cpu"
+
+
+def bench_output(what, ext, device="cpu"):
+    """Where a measuring tool (bench.py, profile_step.py, bf16_drift.py) writes by default:
+    docs/bench/<date>_<machine>_<commit>_<what>.<ext>, so that a name says when, where and on which
+    code it ran (the commit with '-dirty' when the checkout has uncommitted changes)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    git = ["git", "-C", root]
+    commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip() or "nocommit"
+    dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True).stdout.strip()
+    name = f"{datetime.date.today()}_{machine_kind(device)}_{commit}{'-dirty' if dirty else ''}"
+    return os.path.join(root, "docs", "bench", f"{name}_{what}.{ext}")
+
+
+class Tee:
+    """sys.stdout that also writes to a file, the first line being the command that ran: a tool's
+    output kept exactly as it printed it."""
+
+    def __init__(self, path):
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        self.file, self.stdout = open(path, "w", encoding="utf-8"), sys.stdout
+        self.file.write(f"`python {' '.join(sys.argv)}` ({datetime.date.today()}; "
+                        f"{machine().strip()})\n\n")
+
+    def write(self, text):
+        self.stdout.write(text)
+        self.file.write(text)
+
+    def flush(self):
+        self.stdout.flush()
+        self.file.flush()

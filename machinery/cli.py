@@ -14,7 +14,7 @@ import torch
 
 from machinery import die, tracking
 from machinery.models import gguf_path
-from machinery.runs import find_checkpoint
+from machinery.runs import find_checkpoint, program_of
 
 
 class ArgParser(argparse.ArgumentParser):
@@ -36,8 +36,7 @@ def preset_table(Config, presets):
                       for r in rows)
     return ("The model picks a preset that replaces some defaults; a flag given beats both.\n"
             "A flag's --help default above is the one for the default model (tiny).\n" + table +
-            "\nUnless given: --micro-batch is at most the batch (prompts x group); other than "
-            "tiny,\n--overlong-buffer is --max-new-tokens // 4.")
+            "\nUnless given, --micro-batch is at most the batch (prompts x group).")
 
 
 def parse_config(Config, presets, argv=None):
@@ -45,7 +44,7 @@ def parse_config(Config, presets, argv=None):
     the model's preset (presets[model], else presets['hub']; for --eval-only of a saved run, the
     run's config) > Config default. --resume reuses the run's saved config; only --steps may
     change (to train longer)."""
-    ap = ArgParser(description="SC-GRPO / GRPO / DAPO on GSM8K or offline arithmetic.",
+    ap = ArgParser(description=Config.__doc__.split("\n\n")[0].replace("\n    ", " "),
                    epilog=preset_table(Config, presets), allow_abbrev=False,
                    formatter_class=argparse.RawDescriptionHelpFormatter)
     for f in dataclasses.fields(Config):
@@ -71,18 +70,22 @@ def parse_config(Config, presets, argv=None):
             die(f"--resume {args.resume}: no checkpoint found (looked for state.pt in it, ckpt/ "
                 "and ckpt.old/)")
         with open(os.path.join(ckpt, "run_config.json")) as f:
-            cfg = Config(**{**json.load(f), **given})
+            saved = json.load(f)
+        program, ours = saved.pop("program", None), {f.name for f in dataclasses.fields(Config)}
+        if set(saved) - ours or (program and program != program_of(Config)):
+            made_by = f"python {program}" if program else "the variant file that made it"
+            die(f"--resume {args.resume}: the run was made by {program or 'a variant'}, whose "
+                f"settings this file lacks; resume it with {made_by} --resume {args.resume}")
+        cfg = Config(**{**saved, **given})
         check_config(cfg, resuming=True)
         return cfg, ckpt
     preset = presets.get(given.get("model", "tiny"), presets["hub"])
     if given.get("eval_only"):  # a saved run's final/ or ckpt/: its own task, lengths, ...
-        preset = saved_run_config(given.get("model", "")) or preset
+        preset = saved_run_config(given.get("model", ""), Config) or preset
     cfg = Config(**{**preset, **given})
     # Preset values that depend on other flags; explicit flags are left alone (checked later).
     if "micro_batch" not in given:
         cfg.micro_batch = min(cfg.micro_batch, cfg.prompts_per_step * cfg.group_size)
-    if "overlong_buffer" not in given and cfg.model != "tiny":  # DAPO shapes the last quarter
-        cfg.overlong_buffer = cfg.max_new_tokens // 4
     if not cfg.out:
         name = os.path.basename(cfg.model.rstrip("/"))
         stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -92,17 +95,19 @@ def parse_config(Config, presets, argv=None):
     return cfg, ""
 
 
-def saved_run_config(path):
+def saved_run_config(path, Config):
     """The Config a run saved beside its model folder (ckpt/run_config.json, or the run's
-    config.json above final/), minus where it ran and what it was; {} for any other model."""
+    config.json above final/), minus where it ran, what it was, which algorithm trained it and
+    any setting this Config lacks (a variant's); {} for any other model."""
     for cand in (os.path.join(path, "run_config.json"),
                  os.path.join(os.path.dirname(os.path.abspath(path)), "config.json")):
         if os.path.isdir(path) and os.path.isfile(cand):
             with open(cand) as f:
                 saved = json.load(f)
             if "algo" in saved:  # a run's config, not a model's
-                return {k: v for k, v in saved.items() if k not in ("model", "out", "eval_only",
-                                                                      "report_to", "resume")}
+                ours = {f.name for f in dataclasses.fields(Config)}
+                return {k: v for k, v in saved.items() if k in ours and k not in (
+                    "model", "out", "eval_only", "report_to", "algo")}
     return {}
 
 
@@ -113,18 +118,15 @@ RANGES = [
     ("weight_decay", lambda v: v >= 0, ">= 0"),
     ("temperature", lambda v: v > 0, "> 0 (greedy decoding is for evaluation only)"),
     ("epsilon", lambda v: 0 < v < 1, "in (0, 1) (the ratio is clipped below at 1 - epsilon)"),
-    ("epsilon_high", lambda v: v >= 0, ">= 0 (0: the same as --epsilon)"),
     ("max_grad_norm", lambda v: v > 0, "> 0 (0 would zero every gradient)"),
     ("c_min", lambda v: v > 0, "> 0 (f(D) = D / (D + c) needs c > 0)"),
     ("kl_quantile", lambda v: 0 < v < 1, "in (0, 1)"),
     ("alpha_div", lambda v: v >= 0, ">= 0 (0 turns Eq. (5) off)"),
-    ("overlong_buffer", lambda v: v >= 0, ">= 0 (0 turns the length penalty off)"),
     ("eval_k", lambda v: v >= 0, ">= 0 (0 turns Avg@k and Pass@k off)"),
     ("seed", lambda v: v >= 0, ">= 0"),
 ]
 POSITIVE = ("steps", "prompts_per_step", "max_new_tokens", "micro_batch", "ppo_epochs",
-            "dapo_max_rounds", "eval_every", "eval_n", "eval_batch", "save_every", "log_every",
-            "max_bad_steps")
+            "eval_every", "eval_n", "eval_batch", "save_every", "log_every", "max_bad_steps")
 
 
 def check_config(cfg, resuming=False):
@@ -138,15 +140,17 @@ def check_config(cfg, resuming=False):
             die(f"{flag} must be a finite number, got {v}")
         if f.name in POSITIVE and v < 1:
             die(f"{flag} must be a positive integer, got {v}")
-    for name, ok, rule in RANGES:
+    # scgrpo.py's ranges here, and those a variant's Config gives its own fields (setting's rule)
+    rules = RANGES + [(f.name, lambda v, test=f.metadata["rule"][0]: test(v, cfg),
+                       f.metadata["rule"][1]) for f in dataclasses.fields(cfg)
+                      if f.metadata.get("rule")]
+    for name, ok, rule in rules:
         if not ok(getattr(cfg, name)):
             flag = "--" + name.replace("_", "-")
             die(f"{flag} {getattr(cfg, name)} is out of range: it must be {rule}")
     if cfg.micro_batch > cfg.prompts_per_step * cfg.group_size:
         die(f"--micro-batch {cfg.micro_batch} is larger than the batch "
             f"({cfg.prompts_per_step} x {cfg.group_size}); lower it")
-    if cfg.algo == "dapo" and cfg.overlong_buffer >= cfg.max_new_tokens:
-        die(f"--overlong-buffer must be below --max-new-tokens, got {cfg.overlong_buffer}")
     gguf_path(cfg.model)  # a missing weights package or a non-GGUF file fails here, at once
     if cfg.device == "cuda" and not torch.cuda.is_available():
         die("--device cuda was asked for but no CUDA GPU is visible; use --device cpu or auto")

@@ -11,6 +11,7 @@ the step, save, exit) and the seconds and CUDA memory of each phase of a step.
 """
 import ctypes
 import dataclasses
+import inspect
 import json
 import os
 import shutil
@@ -23,103 +24,11 @@ from tqdm import tqdm
 
 from machinery import die, tracking
 from machinery.credit import write_credit_html
+from machinery.metrics import peak_memory_gb
 from machinery.models import (CPU_MAX_PARAMS, cuda_status, load_model, logits_are_head_of_hidden,
                               pick_device, resolve_dtype, set_precision, share_kv_heads,
                               stop_ids, widen_decode_attention)
 from machinery.tasks import go_offline_unless_hub_reachable, load_task
-
-
-def peak_memory_gb(device):
-    """Peak memory allocated on a CUDA device since the last call, in GiB (None off CUDA)."""
-    if device.type != "cuda":
-        return None
-    peak = torch.cuda.max_memory_allocated(device) / 2 ** 30
-    torch.cuda.reset_peak_memory_stats(device)
-    return peak
-
-
-def kl_metrics(kl, active, weights, c):
-    """scgrpo.self_condition's numbers for metrics.jsonl: the P50, P75 and P95 of D and the mean
-    f(D) over the active tokens whose D is finite, c, and how many were not (with a warning)."""
-    nonfinite = active & ~torch.isfinite(kl)
-    if nonfinite.any():
-        tqdm.write(f"warning: {int(nonfinite.sum())} non-finite KL values get weight 0 (note 14)")
-    active = active & ~nonfinite
-    q = torch.tensor([0.5, 0.75, 0.95], device=kl.device)
-    p50, p75, p95 = torch.quantile(kl[active].float(), q).tolist()
-    return dict(kl_p50=p50, kl_p75=p75, kl_p95=p95, c=c, weight_mean=float(weights[active].mean()),
-                kl_nonfinite=int(nonfinite.sum()))
-
-
-def gradient_norm(model):
-    """The L2 norm of every parameter's accumulated gradient, as clip_grad_norm_ measures it."""
-    grads = [p.grad.detach().float().norm() for p in model.parameters() if p.grad is not None]
-    return float(torch.stack(grads).norm()) if grads else 0.0
-
-
-def relative_change(model, before):
-    """||theta - before|| / ||before|| over all parameters (--log-update-size); None without."""
-    if before is None:
-        return None
-    moved = sum(float((p.detach().float() - b.float()).pow(2).sum())
-                for p, b in zip(model.parameters(), before))
-    return (moved / sum(float(b.float().pow(2).sum()) for b in before)) ** 0.5
-
-
-class UpdateLog:
-    """What scgrpo.update reports besides the step it applies: the loss and clipped tokens of its
-    last epoch, the gradient norm that clip_grad_norm_ measured (grad_norm), the norm of the
-    gradient after the solve-none micro-batches alone (grad_norm_none: Eq. (5)'s part), and with
-    --log-update-size ||delta theta|| / ||theta||, for which it keeps a copy of the weights."""
-
-    def __init__(self, model, keep_weights):
-        self.model, self.grad_norm, self.norm_none = model, 0.0, 0.0
-        self.before = [p.detach().clone() for p in model.parameters()] if keep_weights else None
-        self.new_epoch()
-
-    def new_epoch(self):
-        self.loss, self.clipped = 0.0, 0
-
-    def micro_batch(self, loss, n_clipped, last_solve_none):
-        self.loss, self.clipped = self.loss + loss.item(), self.clipped + n_clipped
-        if last_solve_none:  # the gradient so far is the solve-none answers' alone
-            self.norm_none = gradient_norm(self.model)
-
-    def metrics(self, tokens):
-        return dict(loss=self.loss, clip_frac=self.clipped / max(1, tokens),
-                    grad_norm=self.grad_norm, grad_norm_none=self.norm_none,
-                    update_size=relative_change(self.model, self.before))
-
-
-def step_metrics(cfg, sampled, ro, routes, batch, clock, rounds, **more):
-    """A training step's line of metrics.jsonl (docs/metrics.md): reward, length and routes of
-    everything sampled, the answers updated, the update's and the teacher's numbers (more), the
-    seconds and CUDA memory of each phase; DAPO's sampling rounds and dropped groups."""
-    m = dict(reward_mean=float(sampled.correct.mean()),
-             len_mean=float(sampled.lengths.float().mean()),
-             groups_skipped=routes.count("skip"), groups_partial=routes.count("partial"),
-             groups_none=routes.count("solve_none"), groups_fallback=routes.count("fallback"),
-             answers_updated=len(batch.route), **{k: v for k, v in more.items() if v is not None},
-             **clock.seconds, **clock.memory)
-    if cfg.algo == "dapo":
-        m.update(sample_rounds=rounds, groups_dropped=len(sampled.problems) - len(ro.problems))
-    return m
-
-
-class Phases:
-    """Seconds and, on CUDA, peak GiB allocated in each phase of a step: lap(name) ends the
-    phase `name` -> seconds['t_name'], memory['mem_name_gb']."""
-
-    def __init__(self, device):
-        self.device, self.start, self.seconds, self.memory = device, time.time(), {}, {}
-        peak_memory_gb(device)  # start counting the first phase's peak
-
-    def lap(self, name):
-        now = time.time()
-        self.seconds[f"t_{name}"], self.start = now - self.start, now
-        peak = peak_memory_gb(self.device)
-        if peak is not None:
-            self.memory[f"mem_{name}_gb"] = peak
 
 
 def set_up_passes(model, device, bf16, fast):
@@ -207,7 +116,7 @@ class Run:
         if self.ckpt:
             self.resume(self.ckpt)
         with open(os.path.join(cfg.out, "config.json"), "w") as f:
-            json.dump(dataclasses.asdict(cfg), f, indent=2)
+            json.dump(saved_config(cfg), f, indent=2)
         print("config:", json.dumps(dataclasses.asdict(cfg)))
         print(f"model {cfg.model}: {self.n_params / 1e6:.1f}M parameters on {self.device} "
               f"({'bf16' if self.bf16 else 'fp32'}; {cuda_status()}) | train "
@@ -286,10 +195,9 @@ class Run:
 
     def log_eval(self, step, res, per_question):
         """Log an evaluation's metrics, its per-question results (questions.jsonl), its first
-        answers (samples.jsonl) and (SC-GRPO) the credit page of the last answers a teacher
-        scored."""
-        credit = self.credit if self.cfg.algo == "scgrpo" else None
-        cfg, peak = self.cfg, peak_memory_gb(self.device)  # CUDA: the evaluation's peak
+        answers (samples.jsonl) and the credit page of the last answers a teacher scored (none
+        without a teacher)."""
+        cfg, credit, peak = self.cfg, self.credit, peak_memory_gb(self.device)  # CUDA: eval's peak
         res = {**res, **({} if peak is None else {"mem_eval_gb": peak})}
         self.log({"step": step, **res})
         write_questions(os.path.join(cfg.out, "questions.jsonl"), {"step": step}, per_question)
@@ -374,6 +282,18 @@ def catch_ctrl_c():
     return stop
 
 
+def program_of(Config):
+    """The file that defines the Config class, relative to the repository: scgrpo.py, or a
+    variant's file (variants/), which --resume of its runs must run again."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return os.path.relpath(inspect.getsourcefile(Config), root).replace(os.sep, "/")
+
+
+def saved_config(cfg):
+    """What config.json and a checkpoint's run_config.json hold: the program, then the Config."""
+    return {"program": program_of(type(cfg)), **dataclasses.asdict(cfg)}
+
+
 def save_checkpoint(folder, model, tok, cfg, state):
     """Atomic: written to folder.tmp, then renamed; a crash mid-write leaves the previous
     checkpoint whole (as folder or folder.old)."""
@@ -382,7 +302,7 @@ def save_checkpoint(folder, model, tok, cfg, state):
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     with open(os.path.join(tmp, "run_config.json"), "w") as f:
-        json.dump(dataclasses.asdict(cfg), f, indent=2)
+        json.dump(saved_config(cfg), f, indent=2)
     if state is not None:
         torch.save(state, os.path.join(tmp, "state.pt"))
     if os.path.exists(folder):

@@ -130,15 +130,16 @@ class Batcher:
     """Walks the training rows in a seeded random order, epoch after epoch. (epoch, pos) is
     its whole state, so a resumed run draws exactly the questions it would have drawn."""
 
-    def __init__(self, n, seed, epoch=0, pos=0):
-        self.n, self.seed, self.epoch, self.pos = n, seed, epoch, pos
+    def __init__(self, rows, seed, epoch=0, pos=0):
+        self.rows, self.seed, self.epoch, self.pos = rows, seed, epoch, pos
 
     def take(self, k):
-        out = []
+        """The next k rows (task dicts) of the order."""
+        n, out = len(self.rows), []
         while len(out) < k:
             g = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
-            got = torch.randperm(self.n, generator=g)[self.pos:self.pos + k - len(out)].tolist()
+            got = torch.randperm(n, generator=g)[self.pos:self.pos + k - len(out)].tolist()
             out, self.pos = out + got, self.pos + len(got)
-            if self.pos >= self.n:
+            if self.pos >= n:
                 self.epoch, self.pos = self.epoch + 1, 0
-        return out
+        return [self.rows[i] for i in out]

@@ -1,6 +1,6 @@
 r"""
-Speed and memory of one training step: our GRPO, our SC-GRPO, and TRL's GRPOTrainer, with the
-same model, prompts, group size, answer length, temperature and reward.
+Speed and memory of one training step: our GRPO, our SC-GRPO (and DAPO, variants/dapo.py), and
+TRL's GRPOTrainer, with the same model, prompts, group size, answer length, temperature and reward.
 
     python tools/bench.py --model random:qwen-tiny                    # TRL too: needs requirements/bench.txt
     python tools/bench.py --model random:qwen2.5-0.5b --prompts-per-step 1 --group-size 8 --max-new-tokens 128 \
@@ -43,8 +43,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 import machinery  # noqa: E402
-from machinery import at_least, batching, models, runs, speed, tasks  # noqa: E402
-import scgrpo as S
+from machinery import at_least, batching, metrics, models, runs, speed, tasks  # noqa: E402
+import scgrpo as S  # noqa: E402
+from variants import dapo  # noqa: E402
 
 
 SHAPES = {  # Qwen2 shapes as published in each model's config.json
@@ -93,15 +94,17 @@ def spread(values):
 
 
 def run_ours(args, impl):
-    """One of our implementations: "scgrpo", or "scgrpo@bf16" under bf16. The path users run: the
-    SmolLM2 and hub presets run --fast, so bench does too; --plain times scgrpo.py's plain lines.
-    -> per phase the (median, min, max) over the timed steps, and the tokens each phase handled."""
+    """One of our implementations: "scgrpo", or "scgrpo@bf16" under bf16 ("dapo": variants/dapo.py's
+    step). The path users run: the SmolLM2 and hub presets run --fast, so bench does too; --plain times
+    scgrpo.py's plain lines. -> per phase the (median, min, max) over the timed steps, and the tokens
+    each phase handled."""
     S.verify = coin_reward  # the same reward as TRL's below
     algo, _, dtype = impl.partition("@")
-    cfg = S.Config(model=args.model, task="gsm8k" if args.data else "addition", data=args.data or "",
-                   algo=algo, prompts_per_step=args.prompts_per_step, fast=not args.plain,
-                   group_size=args.group_size, max_new_tokens=args.max_new_tokens, micro_batch=args.micro_batch,
-                   grad_checkpoint=args.grad_checkpoint, lr=1e-6, seed=0, device=args.device)
+    Config, train_step = (dapo.Config, dapo.dapo_step) if algo == "dapo" else (S.Config, S.train_step)
+    cfg = Config(model=args.model, task="gsm8k" if args.data else "addition", data=args.data or "",
+                 algo=algo, prompts_per_step=args.prompts_per_step, fast=not args.plain,
+                 group_size=args.group_size, max_new_tokens=args.max_new_tokens, micro_batch=args.micro_batch,
+                 grad_checkpoint=args.grad_checkpoint, lr=1e-6, seed=0, device=args.device)
     device = models.pick_device(cfg.device)
     train_rows, _ = tasks.load_task(cfg)
     model, tok = models.load_model(cfg.model, cfg.seed)
@@ -110,14 +113,14 @@ def run_ours(args, impl):
     if cfg.grad_checkpoint:
         model.activation_checkpointing_enable({"use_reentrant": False})
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    batcher, rng, gen = tasks.Batcher(len(train_rows), 0), random.Random(0), torch.Generator(device).manual_seed(0)
-    seen, real_rollout = [], S.rollout
-    S.rollout = lambda *a: seen.append(real_rollout(*a)) or seen[-1]  # the step's answers: its token counts
+    batcher, rng, gen = tasks.Batcher(train_rows, 0), random.Random(0), torch.Generator(device).manual_seed(0)
+    seen, real_sample_groups = [], S.sample_groups
+    S.sample_groups = lambda *a, **k: seen.append(real_sample_groups(*a, **k)) or seen[-1]  # its token counts
     rows = []
     for step in range(args.steps + 1):
         seen.clear()
         t0 = time.time()
-        m, _ = S.train_step(model, opt, tok, cfg, train_rows, batcher, rng, gen, models.stop_ids(model, tok))
+        m, _ = train_step(model, opt, tok, cfg, batcher, rng, gen, models.stop_ids(model, tok))
         if device.type == "cuda":
             torch.cuda.synchronize()
         if step > 0:  # step 0 is the warm-up
@@ -237,13 +240,22 @@ def run_trl(args, sc=False, bf16=False):
                 updated=None, peak_gib=peak_memory_gib(device))
 
 
+def partial_batch(ro):
+    """The Batch of `ro` with every group routed 'partial', its references drawn from seed 0 as
+    scgrpo.train_step draws them."""
+    rng, routes = random.Random(0), ["partial"] * len(ro.problems)
+    refs = [S.pick_references(c, r, rng) for c, r in zip(ro.correct.bool().tolist(), routes)]
+    return S.make_batch(ro, routes, S.group_advantages(ro.correct), refs)
+
+
 def partial_teacher_pass(model, tok, cfg, ro, own_prompt=False):
-    """scgrpo.self_condition on `ro` with every group routed 'partial' (references drawn from
-    seed 0). own_prompt: the teacher gets the student's own prompt, so D measures only the
-    rounding between the two passes (the KL floor). -> its metrics"""
-    encode = (lambda tok, q, reference=None: S.encode_prompt(tok, q)) if own_prompt else S.encode_prompt
-    batch = S.make_batch(ro, ["partial"] * len(ro.problems), S.group_advantages(ro.reward), random.Random(0))
-    return S.self_condition(model, tok, cfg, ro, batch, encode=encode)[1]
+    """scgrpo.self_condition on partial_batch(ro). own_prompt: the teacher gets the student's own
+    prompt, so D measures only the rounding between the two passes (the KL floor). -> its metrics"""
+    batch = partial_batch(ro)
+    prompts = S.teacher_prompts(tok, ro, batch)
+    if own_prompt:
+        prompts = {j: ro.prompts[j // ro.G] for j in prompts}
+    return S.self_condition(model, cfg, ro, batch, prompts)[1]
 
 
 def gpu_check(args):
@@ -281,8 +293,9 @@ def gpu_check(args):
                                   and torch.isfinite(h_full).all())
                     report.append((f"padding, {label}: states finite", str(finite), finite))
                     cfg = S.Config(algo="scgrpo", group_size=4, max_new_tokens=16, micro_batch=8)
-                    ro = S.rollout(model, tok, cfg, rows[:4], torch.Generator(device).manual_seed(0), [0])
-                    ro.correct = ro.reward = torch.tensor([[1.0, 1.0, 0.0, 0.0]] * 4)
+                    ro = S.sample_groups(model, tok, cfg, rows[:4], 4, 1.0, torch.Generator(device).manual_seed(0),
+                                         [0], keep_states=True)
+                    ro.correct = torch.tensor([[1.0, 1.0, 0.0, 0.0]] * 4)
                     stats = partial_teacher_pass(model, tok, cfg, ro, own_prompt=True)
                     ok = stats["kl_p95"] < 1e-3 and stats["kl_nonfinite"] == 0
                     report.append((f"KL floor, {label}: P95 of D < 1e-3", f"{stats['kl_p95']:.2e}", ok))
@@ -295,15 +308,15 @@ def gpu_check(args):
         model.activation_checkpointing_enable({"use_reentrant": False})
     S.verify = coin_reward
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    m, _ = S.train_step(model, opt, tok, cfg, rows, tasks.Batcher(len(rows), 0), random.Random(0),
+    m, _ = S.train_step(model, opt, tok, cfg, tasks.Batcher(rows, 0), random.Random(0),
                         torch.Generator(device).manual_seed(0), [0])
     tokens = m["len_mean"] * cfg.prompts_per_step * cfg.group_size
     report.append(("one hub-preset step: finite loss", f"{m['loss']:.3g} in {m['t_sample'] + m['t_teacher'] + m['t_update']:.1f} s",
                    math.isfinite(m["loss"])))
     report.append(("sampling tokens/s", f"{tokens / m['t_sample']:.0f} ({tokens:.0f} tokens)", None))
-    runs.peak_memory_gb(device)
+    metrics.peak_memory_gb(device)
     S.evaluate(model, tok, rows[:cfg.eval_batch], S.Config(**{**vars(cfg), "eval_k": 8}), [0])
-    mem_eval = runs.peak_memory_gb(device)
+    mem_eval = metrics.peak_memory_gb(device)
     if device.type == "cuda":
         phases = {k: m[k] for k in ("mem_sample_gb", "mem_teacher_gb", "mem_update_gb")}
         report += [(f"peak {k[4:-3]} GiB", f"{v:.2f}", None) for k, v in phases.items()]
@@ -336,7 +349,7 @@ def partial_rollout(args, model, tok, cfg, keep_states):
                                      models.stop_ids(model, tok), tok.pad_token_id or 0,
                                      torch.Generator().manual_seed(0), keep_states=keep_states)
     reward = torch.tensor([[1.0] * 3 + [0.0] * (cfg.group_size - 3)] * len(rows))
-    return S.Rollout(rows, prompts, ids, mask, batching.decode(tok, ids, mask), reward, reward, h, lse)
+    return S.Rollout(rows, prompts, ids, mask, batching.decode(tok, ids, mask), reward, h, lse)
 
 
 def rescore_cost(args):
@@ -407,9 +420,8 @@ def shared_kv_cost(args):
         cfg = S.Config(algo="scgrpo", group_size=args.group_size, max_new_tokens=args.max_new_tokens,
                        temperature=0.8, micro_batch=args.micro_batch, fast=True, lr=0.0)
         ro = partial_rollout(args, model, tok, cfg, keep_states=not bf16)  # bf16 runs re-score
-        batch = S.make_batch(ro, ["partial"] * len(ro.problems), S.group_advantages(ro.reward),
-                             random.Random(0))
-        batch, _ = S.self_condition(model, tok, cfg, ro, batch)
+        batch = partial_batch(ro)
+        batch, _ = S.self_condition(model, cfg, ro, batch, S.teacher_prompts(tok, ro, batch))
         opt = torch.optim.AdamW(model.parameters(), lr=0.0)
         ways = {"repeat_kv copies": "sdpa", "shared heads": models.SHARED_KV}
         times, losses = {(k, p): [] for k in ways for p in ("teacher", "update")}, {k: [] for k in ways}
@@ -465,6 +477,15 @@ class Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFo
         return action.help if action.default is None else super()._get_help_string(action)
 
 
+def output_name(args):
+    """What a run measures, for its output file's name: the check, or the model and the shape."""
+    if args.gpu_check:
+        return "gpu_check" + ("_small" if args.small else "")
+    what = next((k for k in ("rescore_cost", "decode_attention_cost", "shared_kv_cost") if getattr(args, k)), "bench")
+    model = "".join(c if c.isalnum() else "_" for c in args.model.lower().replace("-135m", "")).strip("_")
+    return f"{what.replace('_cost', '')}_{model}_{args.prompts_per_step}q"
+
+
 def check_args(args):
     """What the parser cannot check alone, before any model folder or process exists."""
     if args.gpu_check:
@@ -518,10 +539,15 @@ def main():
     ap.add_argument("--impls", nargs="+", choices=IMPLS, default=["grpo", "scgrpo", "trl"], metavar="IMPL",
                     help=f"what to run, each in its own process: {', '.join(IMPLS)} (@bf16: ours under bf16 "
                     "autocast)")
+    ap.add_argument("--out", default="", help="also write what this prints to this file; default "
+                    "docs/bench/<date>_<machine>_<commit>_<what>.md; '-': print only")
     ap.add_argument("--only", default="", help=argparse.SUPPRESS)  # internal: run one impl, print JSON
     args = ap.parse_args()
     check_args(args)
     args.model_name = args.model  # as given (random:ARCH is replaced by its folder below)
+    if not args.only and args.out != "-":  # the top process keeps what it prints
+        sys.stdout = machinery.Tee(args.out or machinery.bench_output(output_name(args), "md", models.pick_device(
+            args.device)))
     if args.gpu_check:
         sys.exit(gpu_check(args))
     if args.model.startswith("random:"):  # built once here; the subprocesses read the folder

@@ -9,20 +9,20 @@ the quantiles of |D_bf16 - D_fp32|, of |f(D)| differences, of |log-prob| differe
 fp32 quantities' own scale beside them; under autocast_only, the same differences for the bf16
 path without the weight copy (autocast over fp32 weights in every pass, as before issue 39).
 
-    python tools/bf16_drift.py --questions 4 --out docs/bf16_drift.json
+    python tools/bf16_drift.py --questions 4    # docs/bench/<date>_<machine>_<commit>_bf16_drift.json
 """
 import argparse
 import dataclasses
 import json
 import os
-import random
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 import scgrpo as S  # noqa: E402
-from machinery import at_least, cli, die, machine, models, tasks  # noqa: E402
+from bench import partial_batch  # noqa: E402  (every group 'partial', references from seed 0)
+from machinery import at_least, bench_output, cli, die, machine, models, tasks  # noqa: E402
 
 
 def quantiles(x):
@@ -34,8 +34,10 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="SmolLM2-135M", help="a model the SmolLM2 preset runs")
     ap.add_argument("--questions", type=at_least(1), default=4, help="training questions, 8 answers each")
-    ap.add_argument("--out", required=True, help="JSON file to write")
+    ap.add_argument("--out", default="", help="JSON file to write; default docs/bench/<date>_<machine>_"
+                    "<commit>_bf16_drift.json")
     args = ap.parse_args(argv)
+    args.out = args.out or bench_output("bf16_drift", "json")
     if not args.out.endswith(".json"):
         die(f"--out {args.out}: give a .json file name")
     flags = ["--model", args.model, "--task", "addition", "--algo", "scgrpo", "--dtype", "fp32"]
@@ -45,17 +47,18 @@ def main(argv=None):
     model.eval()
     models.set_precision(model, False)
     train, _ = tasks.load_task(cfg)
-    ro = S.rollout(model, tok, cfg, train[:args.questions], torch.Generator().manual_seed(0),
-                   models.stop_ids(model, tok))
     G = cfg.group_size
+    ro = S.sample_groups(model, tok, cfg, train[:args.questions], G, cfg.temperature, torch.Generator().manual_seed(0),
+                         models.stop_ids(model, tok), keep_states=True)
     ro.correct = torch.tensor([[1.0] * 3 + [0.0] * (G - 3)] * args.questions)
-    batch = S.make_batch(ro, ["partial"] * args.questions, S.group_advantages(ro.correct), random.Random(0))
+    batch = partial_batch(ro)
+    prompts = S.teacher_prompts(tok, ro, batch)
     scored = {}
     opt = torch.optim.SGD(model.parameters(), lr=0.0)  # training() needs one; it never steps here
     for name, bf16, copy in (("fp32", False, False), ("bf16", True, True), ("autocast", True, False)):
         models.set_precision(model, bf16, weights_copy=copy)  # autocast: the bf16 path before the copy
         states = ro if not bf16 else dataclasses.replace(ro, hidden=None, lse=None)  # as a bf16
-        b, _ = S.self_condition(model, tok, cfg, states, batch)  # run: its sampler keeps no states
+        b, _ = S.self_condition(model, cfg, states, batch, prompts)  # run: its sampler keeps no states
         with models.training(model, opt, grad_checkpoint=False), torch.no_grad():
             logp, mask = S.answer_logprobs(model, cfg, ro, b)
         active = torch.arange(b.kl.shape[1]) < b.n_active[:, None]

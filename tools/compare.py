@@ -1,5 +1,5 @@
 """
-Compare GRPO, DAPO, SC-GRPO and variants of it ("arms": an algorithm plus scgrpo.py flags) with
+Compare GRPO, DAPO, SC-GRPO and variants of it ("arms": a program and its flags) with
 the same budget over several seeds: Markdown tables of mean +- std over seeds (final greedy
 accuracy, Avg@8, Pass@8, steps to a target accuracy; the share of groups per route, mean f(D),
 median kl_p75, how far the weights moved) and, with --plot, a picture of training reward and
@@ -94,7 +94,8 @@ STUDIES = {
                          base="scgrpo-fp32", check="bf16", arms=["scgrpo-fp32", "scgrpo-bf16"]),
 }
 
-# An arm is an algorithm plus the scgrpo.py flags that change it; each algorithm is an arm of its own.
+# An arm is an algorithm plus the flags that change it; each algorithm is an arm of its own. It runs
+# scgrpo.py, or the variant file PROGRAMS names (DAPO and the Eq. (5) options are forks: variants/).
 ARMS = {
     "grpo": ("grpo", []), "dapo": ("dapo", []), "scgrpo": ("scgrpo", []),
     # solve-none groups get advantage 0 (Eq. 5 scaled by 0): still routed and scored by the
@@ -103,13 +104,22 @@ ARMS = {
     # the learning rate x 1 / (mean f(D) of the scgrpo arm): measured from that arm's runs, so this
     # arm runs after the others (a function name in place of flags)
     "scgrpo-lr": ("scgrpo", "lr_matched"),
-    # not the paper's: a step whose only gradient is Eq. (5)'s applies no update
+    # not the paper's (variants/eq5_options.py): a step whose only gradient is Eq. (5)'s applies no update
     "scgrpo-skip": ("scgrpo", ["--eq5-only-step", "skip"]),
-    # not the paper's: Eq. (5) scores every answer of a group over the group's shortest answer
+    # not the paper's (variants/eq5_options.py): Eq. (5) scores every answer over the group's shortest
     "scgrpo-window": ("scgrpo", ["--eq5-window", "group"]),
     # the bf16 check's two precisions, named (auto depends on the CPU: models.resolve_dtype)
     "scgrpo-fp32": ("scgrpo", ["--dtype", "fp32"]), "scgrpo-bf16": ("scgrpo", ["--dtype", "bf16"]),
 }
+
+
+PROGRAMS = {"dapo": "variants/dapo.py", "scgrpo-skip": "variants/eq5_options.py",
+            "scgrpo-window": "variants/eq5_options.py"}  # every other arm runs scgrpo.py
+
+
+def program(arm):
+    """The file an arm runs, relative to the repository."""
+    return PROGRAMS.get(arm, "scgrpo.py")
 
 
 def lr_matched(results, flags):
@@ -132,11 +142,13 @@ def lr_matched(results, flags):
     return ["--lr", f"{lr * factor:.3g}"]
 
 
-def code_bytes():
-    """The code a run executes: scgrpo.py and every file of machinery/, in a fixed order (the
-    method moved part of its machinery there, which changes what a run computes just as well)."""
+def code_bytes(arm="scgrpo"):
+    """The code a run of `arm` executes: scgrpo.py, every file of machinery/ (the method moved part of
+    its machinery there, which changes what a run computes just as well) and the arm's variant file,
+    if it has one, in a fixed order."""
     names = ["scgrpo.py"] + sorted(os.path.join("machinery", n) for n in
                                    os.listdir(os.path.join(ROOT, "machinery")) if n.endswith(".py"))
+    names += [program(arm)] if program(arm) != "scgrpo.py" else []
     out = b""
     for name in names:
         with open(os.path.join(ROOT, name), "rb") as f:
@@ -237,7 +249,7 @@ def run_one(arm, seed, out_root, flags, rerun_stale=False, confirm=False, from_l
     confirmatory set; from_logs: out_root holds a report's run_logs, read as they are, whatever
     code made them (--from-logs), and nothing runs."""
     algo = ARMS[arm][0]
-    fingerprint = hashlib.sha256(code_bytes() + repr(flags).encode()).hexdigest()
+    fingerprint = hashlib.sha256(code_bytes(arm) + repr(flags).encode()).hexdigest()
     if from_logs:
         out, how = os.path.join(out_root, f"{arm}-s{seed}"), "read"
         fingerprint = read_text(os.path.join(out, "fingerprint.txt"))
@@ -251,7 +263,7 @@ def run_one(arm, seed, out_root, flags, rerun_stale=False, confirm=False, from_l
         with open(os.path.join(out, "started.txt"), "w") as f:
             f.write(fingerprint)
     if how != "read":  # a resumed run keeps the flags its checkpoint saved
-        cmd = [sys.executable, os.path.join(ROOT, "scgrpo.py"),
+        cmd = [sys.executable, os.path.join(ROOT, program(arm)),
                *(["--resume", out] if how == "resume" else ["--algo", algo, "--seed", str(seed), "--out", out, *flags])]
         with open(os.path.join(out, "machine.txt"), "a") as f:  # a resumed run adds a line
             f.write(started_line())
@@ -494,9 +506,13 @@ def diagnostics(results, arms):
 
 def sign_flip_p(diffs):
     """Exact two-sided sign-flip test that paired differences are centred on 0: the share of all 2^n
-    sign patterns whose |sum| is at least the observed |sum| (under the null each sign is a coin flip)."""
+    sign patterns whose |sum| is at least the observed |sum| (under the null each sign is a coin flip).
+    Ties are judged in the scores' own precision: each score is a float32 (a share of answers, off its
+    exact fraction by at most 2^-24 of it), so n differences of scores in [0, 1] put at most n 2^-22
+    into a sum, while two sums that truly differ do so by a whole answer's share (1/1000 here)."""
     observed, n = abs(sum(diffs)), len(diffs)
-    hits = sum(abs(sum(d if pattern >> i & 1 else -d for i, d in enumerate(diffs))) >= observed - 1e-12
+    tie = n * 2.0 ** -22
+    hits = sum(abs(sum(d if pattern >> i & 1 else -d for i, d in enumerate(diffs))) >= observed - tie
                for pattern in range(2 ** n))
     return hits / 2 ** n
 

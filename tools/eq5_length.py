@@ -1,9 +1,9 @@
 """
 Does Eq. (5) favour short answers? The diversity advantage of a solve-none group scores each
-answer by its mean f(D) over its first L_i = min(|o_i|, |o_r|) tokens (note 5 of scgrpo.py's
+answer by its mean f(D) over its first L_i = min(|o_i|, |o_r|) tokens (note 4 of scgrpo.py's
 docstring). This samples batches of training questions (in file order) from the untrained
 model, on the CPU in fp32, routes and scores them with scgrpo.py's own functions as a training
-step does (self_condition), and relates each solve-none answer's advantage alpha * A_div to its
+step does (self_condition, Eq. 5), and relates each solve-none answer's advantage alpha * A_div to its
 length |o_i| (tokens, EOS included).
 
     python tools/eq5_length.py                          # SmolLM2-135M on addition, 16 batches: ~7 min
@@ -22,6 +22,7 @@ Each reports the pooled Pearson correlation of advantage and length, and the wit
 (both centred on their group's mean first); and the mean f(D) per answer position and at EOS.
 """
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -37,6 +38,19 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import machinery  # noqa: E402
 from machinery import cli, models, tasks  # noqa: E402
 import scgrpo as S  # noqa: E402
+
+
+def routed_batch(ro, rng):
+    """The routes and Batch of a rollout as scgrpo.train_step makes them (references drawn from rng)."""
+    routes = S.route_groups(ro.correct, "scgrpo")
+    refs = [S.pick_references(c, r, rng) for c, r in zip(ro.correct.bool().tolist(), routes)]
+    return routes, S.make_batch(ro, routes, S.group_advantages(ro.correct), refs)
+
+
+def teacher_and_eq5(model, tok, cfg, ro, batch):
+    """D, f(D) and Eq. (5) on a Batch, as scgrpo.train_step computes them. -> (Batch, the teacher's metrics)"""
+    batch, stats = S.self_condition(model, cfg, ro, batch, S.teacher_prompts(tok, ro, batch))
+    return dataclasses.replace(batch, adv=S.solve_none_advantages(batch, S.window_means(batch), cfg.alpha_div)), stats
 
 
 def ranks(xs):
@@ -104,12 +118,12 @@ def main():
         machinery.die(f"--batches {args.batches} needs {args.batches * B} training questions; {cfg.task} has "
               f"{len(train_rows)}: use --batches {len(train_rows) // B} or fewer")
     for k in tqdm(range(args.batches), desc="batches"):
-        ro = S.rollout(model, tok, cfg, train_rows[k * B:(k + 1) * B], gen, eos)
-        routes = S.route_groups(ro.reward, "scgrpo")
-        batch = S.make_batch(ro, routes, S.group_advantages(ro.reward), rng)
+        ro = S.sample_groups(model, tok, cfg, train_rows[k * B:(k + 1) * B], cfg.group_size, cfg.temperature,
+                             gen, eos, keep_states=True)
+        routes, batch = routed_batch(ro, rng)
         if not bool((batch.ref >= 0).any()):
             continue
-        batch, _ = S.self_condition(model, tok, cfg, ro, batch)
+        batch, _ = teacher_and_eq5(model, tok, cfg, ro, batch)
         none_groups += routes.count("solve_none")
         lengths = ro.lengths.view(-1)
         pairs += [(float(batch.adv[m]), int(lengths[batch.row[m]])) for m, route in enumerate(batch.route)

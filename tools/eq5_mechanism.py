@@ -42,8 +42,8 @@ from tqdm import tqdm
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import machinery  # noqa: E402
-from machinery import batching, cli, models, tasks  # noqa: E402
-from eq5_length import ranks  # noqa: E402
+from machinery import cli, models, tasks  # noqa: E402
+from eq5_length import ranks, routed_batch, teacher_and_eq5  # noqa: E402
 import scgrpo as S  # noqa: E402
 
 MEASURES = ("lcp", "edit", "ngram", "length")
@@ -185,15 +185,14 @@ def main():
     train_rows, eos = tasks.load_task(cfg)[0], models.stop_ids(model, tok)
     B, G = cfg.prompts_per_step, cfg.group_size
     rng, gen = random.Random(cfg.seed), torch.Generator().manual_seed(cfg.seed)
-    order = tasks.Batcher(len(train_rows), cfg.seed)
+    order = tasks.Batcher(train_rows, cfg.seed)
     groups, consistency = [], 0.0
     for k in tqdm(range(args.batches), desc="batches"):
-        ro = S.rollout(model, tok, cfg, [train_rows[i] for i in order.take(B)], gen, eos)
-        routes = S.route_groups(ro.reward, "scgrpo")
-        batch = S.make_batch(ro, routes, S.group_advantages(ro.reward), rng)
+        ro = S.sample_groups(model, tok, cfg, order.take(B), G, cfg.temperature, gen, eos, keep_states=True)
+        routes, batch = routed_batch(ro, rng)
         if "solve_none" not in routes:
             continue
-        batch, stats = S.self_condition(model, tok, cfg, ro, batch)
+        batch, stats = teacher_and_eq5(model, tok, cfg, ro, batch)
         c = stats["c"]
         for b in [b for b, route in enumerate(routes) if route == "solve_none"]:
             members = [m for m in range(len(batch.route)) if int(batch.row[m]) // G == b]

@@ -7,11 +7,10 @@ the update, how many of its (answer, position) cells are padding. With --kv-cat,
 phase is also profiled with transformers' DynamicLayer (torch.cat at every step) in place of
 speed.Preallocated.
 
-    python tools/profile_step.py --out docs/profile_smollm2_cpu.txt
+    python tools/profile_step.py        # writes docs/bench/<date>_<machine>_<commit>_profile_...txt too
 """
 import argparse
 import os
-import random
 import sys
 import time
 
@@ -19,8 +18,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from machinery import at_least, machine, models, runs, speed, tasks  # noqa: E402
+from machinery import at_least, bench_output, machine, models, runs, speed, tasks  # noqa: E402
 import scgrpo as S  # noqa: E402
+from bench import partial_batch  # noqa: E402  (every group 'partial', references from seed 0)
 
 MATMUL = ("aten::mm", "aten::bmm", "aten::addmm")
 
@@ -52,7 +52,8 @@ def main():
     ap.add_argument("--kv-cat", action="store_true", help="also profile sampling with torch.cat")
     ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
                     help="bf16: as a --dtype bf16 run (the bf16 weight copy, autocast in the update)")
-    ap.add_argument("--out", default="", help="write the report here as well")
+    ap.add_argument("--out", default="", help="write the report here as well; default docs/bench/<date>_"
+                    "<machine>_<commit>_profile_<model>_<dtype>_<N>q.txt; '-': print only")
     args = ap.parse_args()
     model, tok = models.load_model(args.model, 0)
     runs.set_up_passes(model, next(model.parameters()).device, args.dtype == "bf16", fast=True)
@@ -64,7 +65,8 @@ def main():
     lines = [f"# profile of one step, {args.model}, {len(problems)} x {cfg.group_size} answers, "
              f"{cfg.max_new_tokens}-token cap, micro-batch {cfg.micro_batch}, {args.dtype} fast path\n",
              f"{machine().strip()}, {torch.get_num_threads()} thread(s)"]
-    sample = lambda: S.rollout(model, tok, cfg, problems, torch.Generator().manual_seed(0), eos)
+    sample = lambda: S.sample_groups(model, tok, cfg, problems, cfg.group_size, cfg.temperature,  # noqa: E731
+                                     torch.Generator().manual_seed(0), eos, keep_states=True)
     ro = profiled("sampling (speed.Preallocated KV cache)", sample, lines)
     if args.kv_cat:
         real = speed.preallocated
@@ -72,10 +74,10 @@ def main():
         profiled("sampling (transformers' DynamicLayer, torch.cat)", sample, lines)
         speed.preallocated = real
     G = cfg.group_size  # three answers of each group taken as correct: every group has a teacher
-    ro.correct = ro.reward = torch.tensor([[1.0] * 3 + [0.0] * (G - 3)] * len(problems))
-    batch = S.make_batch(ro, ["partial"] * len(problems), S.group_advantages(ro.reward),
-                         random.Random(0))
-    batch = profiled("teacher", lambda: S.self_condition(model, tok, cfg, ro, batch), lines)[0]
+    ro.correct = torch.tensor([[1.0] * 3 + [0.0] * (G - 3)] * len(problems))
+    batch = partial_batch(ro)
+    prompts = S.teacher_prompts(tok, ro, batch)
+    batch = profiled("teacher", lambda: S.self_condition(model, cfg, ro, batch, prompts), lines)[0]
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)  # lr 0: every pass sees one model
     order, slices, _ = S.micro_batches(batch, ro, cfg.micro_batch)
     rows = batch.row[torch.tensor(order)]
@@ -85,8 +87,10 @@ def main():
     lines.append(f"\nupdate: {tokens} answer tokens in {cells} (answer, position) cells of its "
                  f"{len(slices)} micro-batches: {1 - tokens / cells:.1%} padding")
     print(lines[-1].strip())
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
+    if args.out != "-":
+        model = "".join(c if c.isalnum() else "_" for c in args.model.lower().replace("-135m", "")).strip("_")
+        out = args.out or bench_output(f"profile_{model}_{args.dtype}_{args.prompts_per_step}q", "txt")
+        with open(out, "w", encoding="utf-8") as f:
             f.write("\n".join(lines) + "\n")
 
 
