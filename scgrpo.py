@@ -7,17 +7,18 @@ verified answers tau (the teacher, Eq. 4) and weights each token's clipped GRPO 
 f(D) = D / (D + c), D = KL(teacher || student) at that token (§5.1). A group's route, by n_c, its
 number of correct answers:
     2 <= n_c < G   partial     tau: a verified answer other than o_i; A_i of Eq. (1), times f(D)
-    n_c = 1        fallback    plain GRPO, weight 1 (no second verified answer to learn from)
-    n_c = 0        solve-none  tau = o_r, one of its own answers; alpha * A_div_i of Eq. (5)
+    n_c = 1        fallback    plain GRPO, weight 1 (taught, such groups collapsed the entropy)
+    n_c = 0        solve-none  tau = o_r, one of its own answers; alpha * A_div_i of Eq. (5), x f(D)
     n_c = G        skip        every advantage is 0: no gradient
 Indices: b a question (B a step); n a Rollout row, answer n % G to question n // G; m a Batch row,
 one of the M answers that get a gradient. --algo grpo is GRPO: every weight 1, no teacher.
-Where we interpret the paper (docs/notes.md says why): 1. c over the step's active tokens. 2. D
-measured once a step. 3. o_r gets no gradient. 4. Solve-none tokens past L_i = min(|o_i|, |o_r|)
-weigh 0. 5. Eq. (5) over the G - 1 answers other than o_r. 6. o_r under the same guide text.
-7. Population std. 8. Log-probs and KL at softmax(z / T). 9. No reference KL, a constant lr,
-clipping at 1.0. 10. Our guide wording. 11. A non-finite D weighs 0. 12. Eq. (5) as written.
-Fork seams (variants/): main(Config=, step=), teacher_prompts, Batch.weights, update(loss_of=).
+Where we interpret the paper (docs/notes.md says why): 1. c over all the step's active tokens, both
+routes. 2. D measured once a step, not per PPO epoch. 3. o_r gets no gradient. 4. Solve-none tokens
+past L_i = min(|o_i|, |o_r|) weigh 0 (1/|o_i| stays). 5. Eq. (5) over the G - 1 answers but o_r.
+6. o_r under the same guide text. 7. Population std; a skipped group counts in B. 8. Log-probs and
+KL at softmax(z / T). 9. No reference KL, a constant lr, gradient norm clipped at 1.0. 10. Our
+guide wording. 11. A non-finite D weighs 0. 12. Eq. (5) as written (docs/eq5.md: its direction).
+Seams (variants/): main(Config=, step=), teacher_prompts, Batch.weights/.norm, update(loss_of=).
 Run: python scgrpo.py (tiny model, CPU, ~7 min); --model SmolLM2-135M --task addition (CPU,
 ~8 min); --model Qwen2.5-0.5B --task gsm8k (one GPU). --fast (on in the real-model presets) swaps
 three plain steps, marked `if cfg.fast:`, for their equals in machinery/speed.py.
@@ -254,7 +255,7 @@ def group_advantages(rewards):
 
 def route_groups(rewards, algo):
     """Each group's route from its rewards (B, G) -> B str. scgrpo: by n_c, the header's table
-    (n_c = 1 through the teacher collapsed entropy in the paper). grpo: 'skip' or 'grpo'."""
+    (the paper's ablation teaching n_c = 1 groups saw entropy collapse). grpo: 'skip' or 'grpo'."""
     G, routes = rewards.shape[1], []
     for group in rewards:                                                          # (G,)
         n_c = int((group > 0.5).sum())
@@ -323,8 +324,8 @@ def make_batch(ro, routes, adv, refs):
             n_active.append(L_i)
     row = torch.tensor(row, dtype=torch.long)                                       # (M,)
     mask = ro.mask[row]                                                             # (M, L)
-    # J (§5.1) = 1/B sum_b 1/G sum_i 1/|o_i| sum_t ...: 1 / (B G |o_i|) on each token of o_i;
-    # a skipped group still counts in B (note 7)
+    # J (§5.1) = 1/B sum_b 1/G sum_i 1/|o_i| sum_t ...: 1 / (B G |o_i|) on each token of o_i, with
+    # the whole |o_i| also where only L_i weigh (note 4); a skipped group still counts in B (note 7)
     norm = (1.0 / (len(routes) * G * lengths.view(-1)[row].double())).float()      # (M,)
     return Batch(row=row, question=row // G, ref=torch.tensor(ref, dtype=torch.long), route=route,
                  adv=adv.reshape(-1)[row], n_active=torch.tensor(n_active, dtype=torch.long),
@@ -371,7 +372,7 @@ def teacher_kl(model, cfg, ro, rows, prompts, prompt_of, ids, active):
     (the same model, a reference in its prompt, Eq. 4) scores the same tokens. prompts: the
     distinct teacher prompts, prompt_of (b,) each answer's; ids, active (b, L). -> D (n,)"""
     model = no_grad_model(model)  # --dtype bf16: the bf16 weights (no gradient flows here)
-    if cfg.fast:  # speed.teacher_kl in place of the five statements below
+    if cfg.fast:  # speed.teacher_kl in place of the four statements below
         return speed.teacher_kl(model, ro, rows, prompts, prompt_of, ids, active, cfg.temperature)
     student = forward_answers(model, [ro.prompts[b] for b in (rows // ro.G).tolist()], ids, active)
     teacher = forward_answers(model, [prompts[k] for k in prompt_of.tolist()], ids, active)
@@ -386,13 +387,13 @@ def measure_kl(model, cfg, ro, batch, prompts):
     by question and reference so that --fast prefills a prompt once. -> kl (M, L), 0 elsewhere"""
     kl = torch.zeros_like(batch.kl)                                                # (M, L)
     order = sorted(batch.scored.tolist(), key=lambda m: (int(batch.question[m]), int(batch.ref[m])))
-    for rows in torch.tensor(order, dtype=torch.long).split(cfg.micro_batch):     # Batch rows
-        ids, active = pack(ro, batch.row[rows], batch.n_active[rows])              # (b, L)
-        refs, prompt_of = distinct(batch.ref[rows].tolist(), ids.device)  # their references
-        d = teacher_kl(model, cfg, ro, batch.row[rows], [prompts[j] for j in refs], prompt_of,
+    for chunk in torch.tensor(order, dtype=torch.long).split(cfg.micro_batch):    # Batch rows
+        ids, active = pack(ro, batch.row[chunk], batch.n_active[chunk])            # (b, L)
+        refs, prompt_of = distinct(batch.ref[chunk].tolist(), ids.device)  # their references
+        d = teacher_kl(model, cfg, ro, batch.row[chunk], [prompts[j] for j in refs], prompt_of,
                        ids, active)                                                # (n,)
         back = torch.zeros(active.shape, device=kl.device).masked_scatter(active, d)  # (b, L)
-        kl[rows, :active.shape[1]] = back  # pack cut the rows to their longest answer: <= L wide
+        kl[chunk, :active.shape[1]] = back  # pack cut the rows to their longest answer: <= L wide
     return kl
 
 
@@ -507,7 +508,7 @@ def train_step(model, optimizer, tok, cfg, batcher, rng, gen, eos_ids):
     clock.lap("sample")
     adv = group_advantages(ro.correct)                                             # (B, G)
     routes = route_groups(ro.correct, cfg.algo)                                    # B routes
-    refs = [pick_references(c, route, rng) for c, route in zip(ro.correct.bool().tolist(), routes)]
+    refs = [pick_references(ok, r, rng) for ok, r in zip(ro.correct.bool().tolist(), routes)]
     batch = make_batch(ro, routes, adv, refs)                                      # M rows
     batch, sc_stats = self_condition(model, cfg, ro, batch, teacher_prompts(tok, ro, batch))
     # Eq. (5) in the solve-none groups, from each answer's mean f(D) over its window

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 import machinery
 from machinery import batching, cli, credit, models, runs, speed, tasks
 import scgrpo as S
-from variants import dapo, eq5_options
+from variants import dapo, distill, eq5_options, opsd, rlsd
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(1, os.path.join(HERE, "tools"))  # tools/compare.py and bench.py, imported by their tests
@@ -76,7 +76,9 @@ def draw_references(ro, routes, rng):
 
 
 VARIANT_STEPS = {"dapo": (dapo.Config, dapo.dapo_step),
-                 "eq5_options": (eq5_options.Config, eq5_options.eq5_options_step)}
+                 "eq5_options": (eq5_options.Config, eq5_options.eq5_options_step),
+                 "distill": (distill.Config, distill.distill_step), "opsd": (opsd.Config, opsd.opsd_step),
+                 "rlsd": (rlsd.Config, rlsd.rlsd_step)}
 
 
 def variant_main(module):
@@ -408,6 +410,154 @@ def test_update_equals_the_plain_reference_step(algo, fast, monkeypatch):
     (what the tiny default runs)."""
     check_against_reference(algo, monkeypatch, fast=fast)
 
+
+
+# ----------------------------------------------------------------------------- the paper's comparators (variants/)
+
+
+def test_divergences_hand_computed():
+    """distill.divergence on a two-token example by hand: p = (0.5, 0.5), q = (0.9, 0.1):
+    KL(p || q) = 0.5 ln(0.5/0.9) + 0.5 ln(0.5/0.1) = 0.51083, KL(q || p) = 0.9 ln 1.8 + 0.1 ln 0.2
+    = 0.36806; bidirectional mixes them; JSD(p, p) = 0, JSD is symmetric, below ln 2, and near
+    ln 2 for distributions with (almost) disjoint supports."""
+    log_p, log_q = torch.tensor([0.5, 0.5]).log(), torch.tensor([0.9, 0.1]).log()
+    assert float(distill.divergence(log_p, log_q, "forward")) == pytest.approx(0.5108256, abs=1e-6)
+    assert float(distill.divergence(log_p, log_q, "reverse")) == pytest.approx(0.3680642, abs=1e-6)
+    assert float(distill.divergence(log_p, log_q, "bidirectional", mix=0.25)) == pytest.approx(
+        0.25 * 0.5108256 + 0.75 * 0.3680642, abs=1e-6)
+    m = torch.tensor([0.7, 0.3])  # JSD by hand: the mean's KL from each side, halves
+    want = 0.5 * (0.5 * math.log(0.5 / 0.7) + 0.5 * math.log(0.5 / 0.3)) + 0.5 * (
+        0.9 * math.log(0.9 / 0.7) + 0.1 * math.log(0.1 / 0.3))
+    assert float(distill.divergence(log_p, log_q, "jsd")) == pytest.approx(want, abs=1e-6)
+    assert float(distill.divergence(log_q, log_p, "jsd")) == pytest.approx(want, abs=1e-6)
+    assert float(distill.divergence(log_p, log_p, "jsd")) == 0.0 and float(m.sum()) == pytest.approx(1.0)
+    far = torch.tensor([1 - 1e-6, 1e-6]).log(), torch.tensor([1e-6, 1 - 1e-6]).log()
+    assert math.log(2) - 1e-4 < float(distill.divergence(*far, "jsd")) <= math.log(2)
+
+
+def test_rlsd_weight_hand_computed():
+    """RLSD's weight (1 - lam) + lam clip(exp(sign(A) Delta), 0.8, 1.2) on Delta = 0.1, -0.3, 0.5 with
+    lam 0.5: for A > 0, exp gives 1.10517 (inside), 0.74082 -> 0.8, 1.64872 -> 1.2; for A < 0 (the
+    sign flips Delta) 0.90484, 1.34986 -> 1.2, 0.60653 -> 0.8; 0 off the answer."""
+    delta = torch.tensor([[0.1, -0.3, 0.5, 7.0]] * 2)
+    mask = torch.tensor([[True, True, True, False]] * 2)
+    w = rlsd.rlsd_weights(delta, torch.tensor([2.0, -0.5]), mask, eps_w=0.2, lam=0.5)
+    want = 0.5 + 0.5 * torch.tensor([[math.exp(0.1), 0.8, 1.2, 0.0], [math.exp(-0.1), 1.2, 0.8, 0.0]])
+    want[:, 3] = 0.0
+    torch.testing.assert_close(w, want)
+
+
+def plain_divergence(log_t, log_s, kind, mix=0.5):
+    """One token's divergence, written from its definition with a loop over the vocabulary (no code
+    shared with distill.divergence): p log(p / q) summed, m the mean of the two distributions."""
+    p_t, p_s = log_t.exp(), log_s.exp()
+    kl = lambda p, q: sum(p[v] * torch.log(p[v] / q[v]) for v in range(len(p)))  # noqa: E731
+    if kind == "jsd":
+        m = (p_t + p_s) / 2
+        return 0.5 * kl(p_t, m) + 0.5 * kl(p_s, m)
+    return {"forward": kl(p_t, p_s), "reverse": kl(p_s, p_t)}.get(kind, mix * kl(p_t, p_s) + (1 - mix) * kl(p_s, p_t))
+
+
+def variant_reference_grads(name, ro, batch, cfg, beta=0.1):
+    """The plain reference of one update of a comparator on REF_TABLE: one forward per answer over
+    the full vocabulary (ref_logprobs), loops over answers and tokens, the teacher's prompt built
+    from the rule the variant states (the drawn references of the code under test; the gold
+    context '0' of every REF_TABLE question), plain SGD at lr 0. -> every parameter's gradient"""
+    model, tok = models.make_tiny(0)
+    questions, answers, correct = ([x[k] for x in REF_TABLE] for k in range(3))
+    G, B = REF_G, len(REF_TABLE)
+    adv, keep = grpo_credit(correct)  # Eq. (1); keep: groups of unequal rewards
+    student = {(b, i): ref_logprobs(model, S.encode_prompt(tok, questions[b]), answers[b][i])
+               for b in range(B) for i in range(G)}                                # (|o|, V), grad
+    gold = {b: S.encode_prompt(tok, questions[b], reference="0") for b in range(B)}
+    ref_of = {divmod(int(n), G): int(j) for n, j in zip(batch.row, batch.ref) if j >= 0}
+    total = 0.0
+    for (b, i), log_s in student.items():
+        o = answers[b][i]
+        if name == "opsd":  # Eq. (2): every answer, the mean over its tokens, then over the B G answers
+            with torch.no_grad():
+                log_t = ref_logprobs(model, gold[b], o)
+            total = total + sum(plain_divergence(log_t[t], log_s[t], cfg.divergence) for t in range(len(o))) / (
+                len(o) * B * G)
+            continue
+        routed = keep[b] and sum(correct[b]) > 0  # distill and rlsd --teacher gold: GRPO's groups
+        if not routed:
+            continue
+        chosen = log_s.gather(-1, torch.tensor(o)[:, None]).squeeze(-1)
+        w = torch.ones(len(o))
+        if name == "rlsd":  # Delta_t = log p_teacher(o_t) - log p_student(o_t), no gradient
+            with torch.no_grad():
+                delta = ref_logprobs(model, gold[b], o).gather(-1, torch.tensor(o)[:, None]).squeeze(-1) - chosen
+            w = 0.5 + 0.5 * torch.exp(math.copysign(1.0, adv[b, i]) * delta).clamp(0.8, 1.2)
+        ratio = torch.exp(chosen - chosen.detach())  # mu = 1: rho = 1, its gradient that of log p
+        total = total - sum(w[t] * ratio[t] * adv[b, i] for t in range(len(o))) / (len(o) * B * G)
+        if name == "distill" and (b, i) in ref_of:  # + beta * L_distill toward the drawn reference
+            j = ref_of[b, i] - b * G
+            with torch.no_grad():
+                log_t = ref_logprobs(model, S.encode_prompt(tok, questions[b], reference=tok.decode(
+                    answers[b][j], skip_special_tokens=True)), o)
+            total = total + beta * sum(plain_divergence(log_t[t], log_s[t], cfg.divergence, cfg.mix)
+                                       for t in range(len(o))) / (len(o) * B * G)
+    return torch.autograd.grad(total, list(model.parameters()), allow_unused=True)
+
+
+@pytest.mark.parametrize("name,settings", [("distill", dict(divergence="forward")),
+                                           ("distill", dict(divergence="reverse")),
+                                           ("distill", dict(divergence="bidirectional", mix=0.3)),
+                                           ("opsd", dict(divergence="jsd")), ("opsd", dict(divergence="forward")),
+                                           ("rlsd", dict())],
+                         ids=["distill-forward", "distill-reverse", "distill-bidirectional", "opsd-jsd",
+                              "opsd-forward", "rlsd-gold"])
+def test_each_comparators_gradient_equals_a_plain_full_vocabulary_loop(name, settings, monkeypatch):
+    """variants/distill.py, opsd.py and rlsd.py, one update each on REF_TABLE (a partial, a solve-none,
+    a fallback and a skipped group), against variant_reference_grads: every parameter's gradient
+    within 1e-3 in relative norm (fp32 sums in another order)."""
+    ro, batch, metrics, got = project_step(name, monkeypatch, lr=0.0, epochs=1, **settings)
+    cfg = VARIANT_STEPS[name][0](**settings)
+    want = variant_reference_grads(name, ro, batch, cfg)
+    assert metrics["answers_updated"] > 0
+    for g, w in zip(got[0], want):
+        w = torch.zeros_like(g) if w is None else w
+        err = float((g - w).norm() / max(float(w.norm()), 1e-12))
+        assert err < 1e-3 or float(w.norm()) == float(g.norm()) == 0.0, (name, err)
+
+
+@pytest.mark.parametrize("name", ["distill", "opsd", "rlsd"])
+def test_a_teacher_given_the_students_own_prompt_changes_nothing(name, monkeypatch):
+    """With the student's own prompt as the teacher's (the context dropped from encode_prompt), the
+    teacher is the student: distill's update is GRPO's (its divergence exactly 0), OPSD's loss and
+    gradient vanish (JSD to fp32 rounding: its mixture is computed in logs), and RLSD's weights are
+    exactly 1 on every answer token."""
+    real = S.encode_prompt
+    monkeypatch.setattr(S, "encode_prompt", lambda tok, q, reference=None: real(tok, q))
+    ro, batch, m, grads = project_step(name, monkeypatch, lr=0.0, epochs=1)
+    if name == "opsd":
+        assert abs(m["loss"]) < 1e-6 and max(float(g.abs().max()) for g in grads[0]) < 1e-6
+    elif name == "rlsd":
+        answer = ro.mask[batch.row][:, :batch.weights.shape[1]]
+        assert (batch.weights[answer] == 1.0).all() and (batch.weights[~answer] == 0).all()
+    else:
+        grpo = project_step("grpo", monkeypatch, lr=0.0, epochs=1)[2]
+        assert m["distill_loss"] == 0.0 and m["loss"] == pytest.approx(grpo["loss"], rel=1e-5)
+
+
+def test_the_comparators_run_from_their_own_command_lines(tmp_path):
+    """Each comparator runs with scgrpo.py's command line: variants/distill.py in a process of its
+    own (its beta warmed up 0.03 -> 0.1 over 3 steps, logged), opsd.py and rlsd.py (--teacher self)
+    in this one; each writes a run folder whose config names its program."""
+    out = str(tmp_path / "distill")
+    train, evals = run_ok(out, "--steps", "3", "--eval-every", "3", "--eval-n", "4", "--eval-k", "0",
+                          "--beta-start", "0.03", program="variants/distill.py")
+    assert [round(x["beta"], 6) for x in train] == [0.03, 0.065, 0.1] and len(evals) == 2
+    assert all(math.isfinite(x["loss"]) and x["distill_loss"] >= 0 for x in train)
+    for name, flags in (("opsd", []), ("rlsd", ["--teacher", "self"])):
+        folder = tmp_path / name
+        variant_main({"opsd": opsd, "rlsd": rlsd}[name])(["--steps", "2", "--eval-every", "2", "--eval-n", "4",
+                                                          "--eval-k", "0", "--out", str(folder), *flags])
+        lines = [x for x in read_metrics(str(folder)) if "reward_mean" in x]
+        assert len(lines) == 2 and all(math.isfinite(x["loss"]) for x in lines)
+        assert json.loads((folder / "config.json").read_text())["program"] == f"variants/{name}.py"
+    assert json.loads((tmp_path / "distill" / "config.json").read_text())["program"] == "variants/distill.py"
 
 
 def needs(*packages, install):
@@ -2859,7 +3009,7 @@ def test_compare_runs_each_arm_through_its_program_and_fingerprints_that_file(tm
     assert {a: C.program(a) for a in ("grpo", "scgrpo", "dapo", "scgrpo-skip", "scgrpo-window")} == {
         "grpo": "scgrpo.py", "scgrpo": "scgrpo.py", "dapo": "variants/dapo.py",
         "scgrpo-skip": "variants/eq5_options.py", "scgrpo-window": "variants/eq5_options.py"}
-    configs = {"scgrpo.py": S.Config, "variants/dapo.py": dapo.Config, "variants/eq5_options.py": eq5_options.Config}
+    configs = {"scgrpo.py": S.Config, **{f"variants/{name}.py": Config for name, (Config, _) in VARIANT_STEPS.items()}}
     for arm, (algo, flags) in C.ARMS.items():
         flags = flags if isinstance(flags, list) else ["--lr", "1e-5"]  # scgrpo-lr: derived from runs
         cfg, _ = cli.parse_config(configs[C.program(arm)], S.PRESETS,

@@ -86,6 +86,13 @@ STUDIES = {
                                    "--dtype", "fp32"],
                             seeds=list(range(100, 112)), reach=None, gain=0.10, confirm=True,
                             arms=["grpo", "scgrpo", "scgrpo-nodiv"]),
+    # The paper's comparators, one exploratory run each (docs/variants.md): the confirmatory study's
+    # configuration and its first seed, whose GRPO and SC-GRPO runs are read from docs/confirm.
+    "smollm2-variants": dict(flags=["--model", "SmolLM2-135M", "--task", "addition", "--prompts-per-step", "8",
+                                    "--steps", "12", "--eval-every", "4", "--eval-k", "0", "--log-update-size",
+                                    "--dtype", "fp32"],
+                             seeds=[100], reach=None, gain=0.10, confirm=True,
+                             arms=["grpo", "scgrpo", "distill", "opsd", "rlsd", "rlsd-self"]),
     # Whether --dtype auto may pick bf16 on a CPU, its learning half (docs/speed.md, fixed before the
     # runs): the SmolLM2 preset's SC-GRPO in fp32 and in bf16 on 3 new paired seeds, each final model
     # scored greedily on the 1,000 confirmatory sums (`confirm_set`); bf16_check reads them.
@@ -110,11 +117,17 @@ ARMS = {
     "scgrpo-window": ("scgrpo", ["--eq5-window", "group"]),
     # the bf16 check's two precisions, named (auto depends on the CPU: models.resolve_dtype)
     "scgrpo-fp32": ("scgrpo", ["--dtype", "fp32"]), "scgrpo-bf16": ("scgrpo", ["--dtype", "bf16"]),
+    # the paper's comparators (variants/): the KL as a loss (RQ1), OPSD with the gold solution, and
+    # RLSD's weight with the gold teacher or with SC-GRPO's own
+    "distill": ("distill", []), "opsd": ("opsd", []), "rlsd": ("rlsd", []),
+    "rlsd-self": ("rlsd", ["--teacher", "self"]),
 }
 
 
 PROGRAMS = {"dapo": "variants/dapo.py", "scgrpo-skip": "variants/eq5_options.py",
-            "scgrpo-window": "variants/eq5_options.py"}  # every other arm runs scgrpo.py
+            "scgrpo-window": "variants/eq5_options.py", "distill": "variants/distill.py",
+            "opsd": "variants/opsd.py", "rlsd": "variants/rlsd.py",
+            "rlsd-self": "variants/rlsd.py"}  # every other arm runs scgrpo.py
 
 
 def program(arm):

@@ -1,7 +1,8 @@
 """
 DAPO (Yu et al., arXiv 2503.14476), the paper's strongest baseline, as a fork of scgrpo.py: GRPO
 (no teacher, every weight 1) with four changes, each a piece of this file.
-  1. Clip-higher: the ratio is clipped to [1 - eps, 1 + eps_high], eps_high 0.28 (dapo_loss).
+  1. Clip-higher: the ratio is clipped to [1 - eps, 1 + eps_high], eps_high 0.28 (dapo_loss). It
+     acts only with --ppo-epochs > 1: at the default 1 the ratio is exactly 1, as in GRPO.
   2. Dynamic sampling: groups whose rewards are all equal give no gradient, so they are dropped
      and new questions sampled in their place (sample_with_refill).
   3. A token-level loss: each token's term over the number of tokens in the batch, in place of
@@ -9,10 +10,12 @@ DAPO (Yu et al., arXiv 2503.14476), the paper's strongest baseline, as a fork of
   4. Overlong shaping: a penalty from 0 down to -1 over the last --overlong-buffer tokens of the
      length cap (shaped_reward). DAPO's paper has it; the SC-GRPO paper does not say its DAPO
      baseline used it: our choice.
-Choices DAPO leaves open: the filter reads the shaped reward, so it keeps exactly the groups with
-a non-zero advantage (an all-wrong group of unequal lengths keeps its length signal); the batch is
-refilled for at most --max-rounds sampling rounds a step (DAPO refills until full), and a step
-after the last round trains on fewer groups. Everything else is scgrpo.py's, and so are the flags.
+Where this departs from DAPO's paper: the reward is 0/1 (DAPO's is -1/1), so the penalty weighs
+the whole gap between right and wrong, not half of it; the filter reads the shaped reward, so it
+keeps exactly the groups with a non-zero advantage (an all-wrong group of unequal lengths keeps its
+length signal), where DAPO filters on accuracy; the batch is refilled for at most --max-rounds
+sampling rounds a step (DAPO refills until full), so a step after the last round trains on fewer
+groups. The rest is scgrpo.py's; SC-GRPO's teacher flags (--c-min, ...) have no effect here.
     python variants/dapo.py --model SmolLM2-135M --task addition
 """
 import os
@@ -29,7 +32,7 @@ from machinery.metrics import Phases, step_metrics  # noqa: E402
 
 @dataclass
 class Config(S.Config):
-    """The settings of a DAPO run: scgrpo.py's, and DAPO's three below."""
+    """The settings of a DAPO run: scgrpo.py's, and DAPO's three after --algo."""
     algo: str = S.setting("dapo", "DAPO: GRPO with the four changes of variants/dapo.py", ("dapo",))
     epsilon_high: float = S.setting(0.28, "upper clip range (clip-higher); DAPO: 0.28",
                                     rule=(lambda v, cfg: v > 0, "> 0"))
@@ -37,7 +40,7 @@ class Config(S.Config):
                                 rule=(lambda v, cfg: v >= 1, "at least 1"))
     overlong_buffer: int = S.setting(
         -1, "length penalty over the last N tokens of --max-new-tokens; 0 off; -1: a quarter of "
-        "it (0 for the tiny model, whose 2-token cap is the answer)",
+        "it, off for the tiny model (its answer is a number of one or two tokens)",
         rule=(lambda v, cfg: -1 <= v < cfg.max_new_tokens, "-1, or 0 to --max-new-tokens - 1"))
 
 
