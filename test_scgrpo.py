@@ -1270,6 +1270,33 @@ def test_plain_and_fast_samplers_agree(tiny):
         assert mask.all() and ids.shape == (4000, 1)
 
 
+def test_static_sampler_equals_the_fast_sampler(tiny):
+    """machinery/static_sampler.py (finished rows kept and masked, a StaticCache, the mask written
+    in place) against speed.sample, on left-padded prompts of different lengths whose rows end at
+    different steps (the stop token is one the untrained model emits at different steps): greedy,
+    the same tokens and masks on every row; at T = 0.8 under one seed, the same tokens up to the
+    first row's stop (speed.sample then draws for the live rows only); and the log-normalisers
+    the static sampler keeps equal those of a plain forward of its own tokens (fp32 rounding)."""
+    from machinery.static_sampler import sample_static
+    model, tok = tiny
+    prompts = [tok(q)["input_ids"] for q in ("3+4=", "12+7=1", "8=", "9+9=18;5+")]
+    free = speed.sample(model, prompts, 2, 8, 0.0, [], 0, None)[0]               # no stop token
+    stop = max(range(15), key=lambda v: len({int((row == v).nonzero()[0]) for row in free if (row == v).any()}))
+    fast = speed.sample(model, prompts, 2, 8, 0.0, [stop], 0, None)[:2]
+    static = sample_static(model, prompts, 2, 8, 0.0, [stop], 0, None, check_every=3)[:2]
+    assert len(set(fast[1].sum(1).tolist())) > 1  # rows end at different steps
+    assert all(torch.equal(a, b) for a, b in zip(fast, static))
+    fast = speed.sample(model, prompts, 3, 8, 0.8, [stop], 0, torch.Generator().manual_seed(1))
+    ids, mask, h, lse = sample_static(model, prompts, 3, 8, 0.8, [stop], 0, torch.Generator().manual_seed(1),
+                                      keep_states=True)
+    first = int(fast[1].sum(1).min())  # the first row's stop: the generators agree up to here
+    assert first < 8 and torch.equal(fast[0][:, :first], ids[:, :first])
+    with torch.no_grad():
+        logits = S.forward_answers(model, [p for p in prompts for _ in range(3)], ids, mask)  # (N, L, V)
+    torch.testing.assert_close(lse[mask], torch.logsumexp(logits / 0.8, -1)[mask], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(h[mask] @ model.lm_head.weight.T, logits[mask], rtol=1e-4, atol=1e-4)
+
+
 def test_decode_attention_in_fp32_is_softmax_attention_to_bf16_rounding(monkeypatch):
     """models.decode_attention_in_fp32 (the bf16 sampler's attention on a CPU without AMX), one
     query token, 6 query heads over 2 key/value heads (query head j reads key/value head j // 3),

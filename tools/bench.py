@@ -322,6 +322,24 @@ def gpu_check(args):
         report += [(f"peak {k[4:-3]} GiB", f"{v:.2f}", None) for k, v in phases.items()]
         report.append(("evaluation peak <= a training step's peak", f"{mem_eval:.2f} GiB",
                        mem_eval <= max(phases.values()) * 1.05))
+    # the decoding loop: today's sampler against the static-shape one, 64 rows of one prompt to the
+    # cap (no stop token), bf16 weights as a run sets them up; the sampled tokens must match
+    from machinery.static_sampler import sample_static
+    copy, prompt = models.no_grad_model(model), [tok(rows[0]["question"])["input_ids"]]
+    for cap in (8, 16) if args.small else (256, 512):
+        got = {}
+        for name, sampler in (("speed.sample", speed.sample), ("static, eager", sample_static)):
+            sampler(copy, prompt, 64, 4, 1.0, [], 0, torch.Generator(device).manual_seed(0))  # warm-up
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            (ids, _, _, _), seconds = timed(sampler, copy, prompt, 64, cap, 1.0, [], 0,
+                                            torch.Generator(device).manual_seed(0))
+            got[name] = ids
+            report.append((f"sampling, {name}, 64 rows x {cap} tokens: tokens/s",
+                           f"{64 * cap / seconds:.0f}", None))
+        same = float((got["speed.sample"] == got["static, eager"]).float().mean())
+        report.append((f"static sampler, {cap} tokens: share of tokens as today's (no stop: all)",
+                       f"{same:.4f}", None))
     print(f"\ngpu-check on {device} ({models.cuda_status()}), torch {torch.__version__}, "
           f"{'toy' if args.small else 'Qwen2.5-0.5B'} shape\n")
     print("| check | measured | result |\n|---|---|---|")
@@ -449,6 +467,63 @@ def shared_kv_cost(args):
     print("\n".join(rows_out))
 
 
+def timed(fn, *a, **k):
+    """fn(*a, **k) -> (its result, seconds)."""
+    t0 = time.time()
+    out = fn(*a, **k)
+    return out, time.time() - t0
+
+
+def compile_cost(args):
+    """Does torch.compile pay on this machine, its compile time included? Over the sampler calls of
+    one SmolLM2 preset run (12 training batches of --prompts-per-step x G answers, then its 4
+    greedy evaluations of 100 questions, each to --max-new-tokens), in fp32 and bf16 set up as a
+    --fast run: speed.sample (today's), the static-shape sampler (static_sampler.sample_static)
+    eager, and with its one-token step compiled by inductor. Then the teacher's pass of each
+    training batch (3 answers a group taken as correct) eager and with the model's body compiled
+    (dynamic shapes: every batch's prompts differ). Prints each way's seconds: the first call, the
+    rest, the total."""
+    from machinery.static_sampler import decode_step, sample_static
+    train, test = tasks.load_task(S.Config(task="addition"))
+    batcher = tasks.Batcher(train, 0)  # the preset run's order (seed 0)
+    batches = [batcher.take(args.prompts_per_step) for _ in range(12)]
+    rows = []
+    for bf16 in (False, True):
+        torch._dynamo.reset()
+        model, tok = models.load_model(args.model, 0)
+        runs.set_up_passes(model.eval(), torch.device("cpu"), bf16, fast=True)
+        copy, eos, pad = models.no_grad_model(model), models.stop_ids(model, tok), tok.pad_token_id or 0
+        calls = [([S.encode_prompt(tok, r["question"]) for r in b], args.group_size, 0.8) for b in batches]
+        calls += [([S.encode_prompt(tok, r["question"]) for r in test[:100]], 1, 0.0)] * 4
+        step = torch.compile(decode_step)
+        ways = {"speed.sample": speed.sample, "static, eager": sample_static,
+                "static, compiled step": lambda *a, **k: sample_static(*a, step=step, **k)}
+        sampled = {}
+        for name, sampler in ways.items():
+            runs_ = [timed(sampler, copy, p, n, args.max_new_tokens, T, eos, pad,
+                           torch.Generator().manual_seed(0)) for p, n, T in calls]
+            rows.append((bf16, "sampling", name, [t for _, t in runs_]))
+            sampled.setdefault("answers", [out for out, _ in runs_[:12]])  # speed.sample's
+        cfg = S.Config(algo="scgrpo", group_size=args.group_size, max_new_tokens=args.max_new_tokens,
+                       temperature=0.8, micro_batch=args.micro_batch, fast=True)
+        ros = []
+        for (p, n, _), (ids, mask, _, _), b in zip(calls, sampled["answers"], batches):
+            correct = torch.tensor([[1.0] * 3 + [0.0] * (n - 3)] * len(p))
+            ros.append(S.Rollout(b, p, ids, mask, batching.decode(tok, ids, mask), correct))
+        for name in ("eager", "compiled body"):
+            if name == "compiled body":
+                copy.base_model.forward = torch.compile(copy.base_model.forward, dynamic=True)
+            times = [timed(partial_teacher_pass, model, tok, cfg, ro)[1] for ro in ros]
+            rows.append((bf16, "teacher", name, times))
+    print(f"\n{machinery.machine().strip()}, {torch.get_num_threads()} threads; {args.model_name}, "
+          f"{args.prompts_per_step} x {args.group_size} answers x {args.max_new_tokens} tokens; seconds\n")
+    print("| dtype | phase | way | first call | the other calls (median) | total, compile included |")
+    print("|---|---|---|---|---|---|")
+    for bf16, phase, name, times in rows:
+        print(f"| {'bf16' if bf16 else 'fp32'} | {phase} | {name} | {times[0]:.2f} | "
+              f"{statistics.median(times[1:]):.2f} | {sum(times):.2f} |")
+
+
 OURS = ("grpo", "scgrpo", "dapo")
 IMPLS = [*OURS, *(f"{a}@bf16" for a in OURS), "trl", "trl@bf16", "trl-scgrpo"]
 
@@ -481,7 +556,8 @@ def output_name(args):
     """What a run measures, for its output file's name: the check, or the model and the shape."""
     if args.gpu_check:
         return "gpu_check" + ("_small" if args.small else "")
-    what = next((k for k in ("rescore_cost", "decode_attention_cost", "shared_kv_cost") if getattr(args, k)), "bench")
+    what = next((k for k in ("rescore_cost", "decode_attention_cost", "shared_kv_cost", "compile_cost")
+                 if getattr(args, k)), "bench")
     model = "".join(c if c.isalnum() else "_" for c in args.model.lower().replace("-135m", "")).strip("_")
     return f"{what.replace('_cost', '')}_{model}_{args.prompts_per_step}q"
 
@@ -524,6 +600,9 @@ def main():
                     help="bf16: teacher phase with and without re-scoring the student (see rescore_cost)")
     ap.add_argument("--decode-attention-cost", action=argparse.BooleanOptionalAction, default=False,
                     help="bf16 on a CPU: sampling with each decode attention (see decode_attention_cost)")
+    ap.add_argument("--compile-cost", action=argparse.BooleanOptionalAction, default=False,
+                    help="a CPU: sampling and the teacher eager and under torch.compile over one "
+                    "preset run's calls (see compile_cost)")
     ap.add_argument("--shared-kv-cost", action=argparse.BooleanOptionalAction, default=False,
                     help="a CPU: teacher and update with and without repeat_kv's copies (see shared_kv_cost)")
     # the same names as scgrpo.py's flags for the same settings
@@ -561,6 +640,8 @@ def main():
         return decode_attention_cost(args)
     if args.shared_kv_cost:
         return shared_kv_cost(args)
+    if args.compile_cost:
+        return compile_cost(args)
     if args.only:
         run = (run_trl(args, sc=args.only.startswith("trl-scgrpo"), bf16=args.only.endswith("@bf16"))
                if args.only.startswith("trl") else run_ours(args, args.only))

@@ -267,6 +267,12 @@ MUTANTS = [
     ("RLSD: the weight not clipped", "variants/rlsd.py",
      "torch.exp(adv.sign()[:, None] * delta).clamp(1 - eps_w, 1 + eps_w)", "torch.exp(adv.sign()[:, None] * delta)",
      ["test_rlsd_weight_hand_computed"]),
+    # the static-shape sampler (issue 52)
+    ("static sampler: a finished row keeps writing its tokens", "machinery/static_sampler.py",
+     "comp_ids[:, t] = torch.where(alive, tok, comp_ids[:, t])", "comp_ids[:, t] = tok",
+     ["test_static_sampler_equals_the_fast_sampler"]),
+    ("static sampler: a new token's own slot never marked in the mask", "machinery/static_sampler.py",
+     "attn[:, P + t] = (~done).long()", "attn[:, P + t] = 0", ["test_static_sampler_equals_the_fast_sampler"]),
 ]
 
 
