@@ -69,7 +69,8 @@ def sample_static(model, prompts, n, max_new, temperature, eos_ids, pad_id, gen,
     resp_mask = torch.zeros((N, max_new), dtype=torch.bool, device=device)
     hidden = torch.zeros((N, max_new, h.shape[1]), device=device) if keep_states else None
     lse = torch.zeros((N, max_new), device=device) if keep_states else None
-    eos, done = torch.tensor(eos_ids, device=device), torch.zeros(N, dtype=torch.bool, device=device)
+    eos = torch.tensor(eos_ids, device=device)
+    done = torch.zeros(N, dtype=torch.bool, device=device)                         # (N,)
     logits = torch.empty(N, head.weight.shape[0], device=device)                   # (N, V)
     for t in range(max_new):
         tok, lse_t = sample_tokens(head_logits(h, head.weight, logits), temperature, gen)
