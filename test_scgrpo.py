@@ -1944,12 +1944,19 @@ def test_prompt_builder_takes_any_model_output_as_reference(tiny):
 
 
 def test_credit_page_escapes_tokens_and_shades_by_weight(tmp_path):
+    """Tokens, question and context are escaped; a signal in [0, 1] shades orange by its value (its
+    hover value shown); a signal with a centre shades blue below it and orange above, by the
+    distance to the centre over that side's half range (RLSD's weight: 0.9 and 1.05 around 1 in
+    [0.8, 1.2] -> blue 0.5, orange 0.25)."""
     path = str(tmp_path / "c.html")
-    credit.write_credit_html(path, 3, [dict(question="q <i>", route="partial", adv=0.5, reward=1.0, tokens=["<b>", "7"],
-                                       weights=[0.25, 0.0], kl=[0.5, 0.0], reference="7 & 8")])
+    credit.write_credit_html(path, "step 3", [dict(
+        question="q <i>", route="partial", adv=0.5, reward=1.0, tokens=["<b>", "7"], context="7 & 8",
+        signals=[dict(credit.F_OF_D, values=[0.25, 0.0], hover="D", hover_values=[0.5, 0.0]),
+                 dict(name="w", lo=0.8, hi=1.2, center=1.0, values=[0.9, 1.05])])])
     page = open(path, encoding="utf-8").read()
     assert "&lt;b&gt;" in page and "<b>7" not in page and "7 &amp; 8" in page and "q &lt;i&gt;" in page
     assert 'rgba(230,90,20,0.250)" title="D = 0.5, f(D) = 0.250"' in page
+    assert 'rgba(40,110,220,0.500)" title="w = 0.900"' in page and 'rgba(230,90,20,0.250)" title="w = 1.050"' in page
 
 
 def test_model_without_chat_template_is_refused(tmp_path, capsys):
@@ -2071,7 +2078,7 @@ def test_smollm2_runs_each_algorithm_and_saves_a_model_that_reloads(algo, tmp_pa
     if algo == "scgrpo":
         assert any(x["groups_partial"] + x["groups_none"] for x in train)
         with open(os.path.join(out, "credit_2.html"), encoding="utf-8") as f:
-            assert "reference the teacher saw" in f.read()
+            assert "what the teacher saw" in f.read()
     from transformers import AutoModelForCausalLM, AutoTokenizer
     model = AutoModelForCausalLM.from_pretrained(os.path.join(out, "final"))
     tok = AutoTokenizer.from_pretrained(os.path.join(out, "final"))

@@ -204,7 +204,8 @@ class Run:
         for s in first_answers(self.eval_set, per_question):
             self.samples_f.write(json.dumps({"step": step, **s}) + "\n")
         if credit:
-            write_credit_html(os.path.join(cfg.out, f"credit_{step}.html"), step, credit)
+            write_credit_html(os.path.join(cfg.out, f"credit_{step}.html"),
+                              f"Token credit at step {step}", credit)
         tqdm.write(f"eval step {step} | {eval_line(cfg, res)}")
 
     def save_eval(self, evaluate):

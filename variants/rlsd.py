@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # scgrpo.py
 import scgrpo as S  # noqa: E402
+from machinery.credit import credit_examples  # noqa: E402
 from machinery.metrics import Phases, step_metrics  # noqa: E402
 from variants.distill import optimizer_steps  # noqa: E402
 from variants.opsd import gold_context  # noqa: E402
@@ -78,9 +79,11 @@ def rlsd_step(model, optimizer, tok, cfg, batcher, rng, gen, eos_ids):
         tiny = tok.chat_template == S.TINY_TEMPLATE
         gold = [S.encode_prompt(tok, p["question"], gold_context(p, tiny)) for p in ro.problems]
         taught, teacher_of = torch.arange(len(batch.route)), [gold[b] for b in batch.question]
+        context = [gold_context(ro.problems[b], tiny) for b in batch.question.tolist()]
     else:
         prompts, taught = S.teacher_prompts(tok, ro, batch), batch.scored
         teacher_of = [prompts[int(j)] if j >= 0 else None for j in batch.ref]
+        context = [ro.texts[int(j)] if j >= 0 else "" for j in batch.ref]
     steps = optimizer_steps(optimizer)  # before this step's: RLSD's global step
     decay = cfg.rlsd_lambda_decay_steps
     lam = cfg.rlsd_lambda * (1 - min(steps / decay, 1.0)) if decay else cfg.rlsd_lambda
@@ -101,7 +104,9 @@ def rlsd_step(model, optimizer, tok, cfg, batcher, rng, gen, eos_ids):
                            nonfinite=bool(batch.route) and not stepped)
     active = weights[taught][ro.mask[batch.row[taught]]]  # the taught answers' tokens
     metrics.update(rlsd_lambda=lam, weight_mean=float(active.mean()) if active.numel() else None)
-    return metrics, []
+    signal = dict(name="RLSD's weight", lo=1 - lam * cfg.rlsd_eps_w, hi=1 + lam * cfg.rlsd_eps_w,
+                  center=1.0)  # the credit page: below 1 blue, above orange
+    return metrics, credit_examples(tok, ro, batch, taught.tolist(), signal, context)
 
 
 if __name__ == "__main__":
