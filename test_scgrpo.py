@@ -2568,12 +2568,19 @@ def test_bench_builds_its_own_random_model_of_a_named_shape(tmp_path):
 def test_bench_floors_hand_computed():
     """bench.py's floors on a hand-computed case: a body of 100 FLOPs a token, a head of 10; 10
     prompt tokens, 20 answer tokens, 5 decoding steps; at 1 GFLOP/s. Generation with 1 GB of
-    weights at 10 GB/s reads for 0.5 s, more than its 3,200 FLOPs take: the larger bound is its floor."""
+    weights at 10 GB/s reads for 0.5 s, more than its 3,200 FLOPs take: the larger bound is its floor.
+    The teacher counts its distinct prompts' tokens (their common beginning once) and, in bf16,
+    the student re-scored."""
     import bench
     tokens = dict(prompts=10, answers=20, decode_steps=5)
     f = bench.flop_floors((100, 10), tokens, 1.0)
     assert f == dict(generate=3200e-9, teacher=2200e-9, update=9600e-9)  # 10*100 + 20*110; 20*110; 3(30*100 + 20*10)
     assert bench.flop_floors((100, 10), tokens, 1.0, 1e9, 10.0) == dict(f, generate=0.5)
+    # the teacher's 30 prompt tokens through the body, and a bf16 run's re-scored student (10*100 + 20*110)
+    assert bench.flop_floors((100, 10), dict(tokens, teacher_prompts=30), 1.0)["teacher"] == pytest.approx(5200e-9)
+    assert bench.flop_floors((100, 10), dict(tokens, teacher_prompts=30, rescored=True), 1.0)["teacher"] == \
+        pytest.approx(8400e-9)
+    assert bench.prefix_tokens([[1, 2, 3, 4], [1, 2, 5], [1, 2, 3, 4]]) == 2 + 2 + 1  # twice the same prompt: once
 
 # ----------------------------------------------------------------------------- compare.py's studies
 

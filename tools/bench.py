@@ -114,8 +114,9 @@ def run_ours(args, impl):
         model.activation_checkpointing_enable({"use_reentrant": False})
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     batcher, rng, gen = tasks.Batcher(train_rows, 0), random.Random(0), torch.Generator(device).manual_seed(0)
-    seen, real_sample_groups = [], S.sample_groups
+    seen, real_sample_groups, real_teacher_prompts = [], S.sample_groups, S.teacher_prompts
     S.sample_groups = lambda *a, **k: seen.append(real_sample_groups(*a, **k)) or seen[-1]  # its token counts
+    S.teacher_prompts = lambda *a: seen.append(real_teacher_prompts(*a)) or seen[-1]  # and its teacher's
     rows = []
     for step in range(args.steps + 1):
         seen.clear()
@@ -129,18 +130,24 @@ def run_ours(args, impl):
                              tokens=step_tokens(seen)))
     timings = {k: spread([r[k] for r in rows]) for k in ("total", "generate", "teacher", "update")}
     tokens = {k: statistics.mean(r["tokens"][k] for r in rows) for k in rows[0]["tokens"]}
+    tokens["rescored"] = bool(tokens["rescored"])
     return dict(impl=impl, path="plain" if args.plain else "fast", **timings, tokens=tokens,
                 per_token=flops_per_token(model.config), params=sum(p.numel() for p in model.parameters()),
                 reward=statistics.mean(r["reward"] for r in rows), updated=min(r["updated"] for r in rows),
                 peak_gib=peak_memory_gib(device))
 
 
-def step_tokens(rollouts):
-    """What one step had to compute, in tokens: its distinct prompts (each prefilled once), the
-    answers' tokens, and the sampler's decoding steps (each reads every weight once)."""
+def step_tokens(seen):
+    """What one step had to compute, in tokens, from what it sampled (Rollouts) and the teacher
+    prompts it built (dicts): its prompts (each prefilled once), the answers' tokens, the sampler's
+    decoding steps (each reads every weight once), and the teacher's distinct prompts (their
+    common beginning once, prefix_tokens). A bf16 run re-scores the student too (flop_floors)."""
+    rollouts = [x for x in seen if not isinstance(x, dict)]
     return dict(prompts=sum(len(p) for ro in rollouts for p in ro.prompts),
                 answers=sum(int(ro.mask.sum()) for ro in rollouts),
-                decode_steps=sum(int(ro.mask.sum(1).max()) for ro in rollouts))
+                decode_steps=sum(int(ro.mask.sum(1).max()) for ro in rollouts),
+                teacher_prompts=sum(prefix_tokens(x.values()) for x in seen if isinstance(x, dict) and x),
+                rescored=all(ro.hidden is None for ro in rollouts))
 
 
 def flops_per_token(c):
@@ -154,14 +161,16 @@ def flops_per_token(c):
 def flop_floors(per_token, tokens, gflops, weight_bytes=0, gbps=math.inf):
     """The least time each phase could take at `gflops` (GFLOP/s of a large matmul here), from the
     FLOPs per token of body and head (flops_per_token), 3x forward for forward plus backward.
-    Generation: prompts once, each answer token through body and head. Teacher: the answers through
-    body and head (its prompts left out, so this is a lower bound; the student's side comes from
-    the sampler). Update: prompts and answers forward and backward. Generation is also bound by
-    memory: each decoding step reads every weight (weight_bytes) once, at gbps GB/s; its floor is
-    the larger of the two. -> {phase: seconds}"""
+    Generation: prompts once, each answer token through body and head. Teacher: its distinct
+    prompts through the body and the answers through body and head, and when the sampler kept no
+    states (bf16) the student's prompts and answers again. Update: prompts and answers forward
+    and backward. Generation is also bound by memory: each decoding step reads every weight
+    (weight_bytes) once, at gbps GB/s; its floor is the larger of the two. -> {phase: seconds}"""
     body, head = per_token
     p, a = tokens["prompts"], tokens["answers"]
-    flops = dict(generate=p * body + a * (body + head), teacher=a * (body + head),
+    teacher = tokens.get("teacher_prompts", 0) * body + a * (body + head)
+    teacher += (p * body + a * (body + head)) * tokens.get("rescored", False)
+    flops = dict(generate=p * body + a * (body + head), teacher=teacher,
                  update=3 * ((p + a) * body + a * head))
     floors = {k: v / (gflops * 1e9) for k, v in flops.items()}
     reads = tokens.get("decode_steps", 0) * weight_bytes / (gbps * 1e9)
@@ -474,6 +483,42 @@ def timed(fn, *a, **k):
     return out, time.time() - t0
 
 
+def prefix_tokens(prompts):
+    """Tokens a pass computes for prompts that share their beginning (speed.shared_prefix_hidden):
+    the common prefix once, then the rest of each distinct prompt."""
+    prompts = [list(p) for p in {tuple(p): None for p in prompts}]
+    common = len(os.path.commonprefix(prompts))
+    return common + sum(len(p) - common for p in prompts)
+
+
+def teacher_tokens(args):
+    """What the teacher's pass computes on one batch of the preset's shape (3 answers of each group
+    taken as correct, so every group is partial, as the benchmark's coin does about as often), in
+    tokens and FLOPs: its distinct prompts (each holds the guide and a reference answer), the
+    answers, and under bf16 the student re-scored. bench's teacher floor counts the answers alone;
+    this says how far that undercounts, and what SC-GRPO / GRPO the FLOPs predict with each count."""
+    model, tok = models.load_model(args.model, 0)
+    runs.set_up_passes(model.eval(), torch.device("cpu"), False, fast=True)
+    body, head = flops_per_token(model.config)
+    cfg = S.Config(algo="scgrpo", group_size=args.group_size, max_new_tokens=args.max_new_tokens,
+                   temperature=0.8, fast=True)
+    ro = partial_rollout(args, model, tok, cfg, keep_states=False)
+    batch = partial_batch(ro)
+    t_prompts = prefix_tokens(S.teacher_prompts(tok, ro, batch).values())
+    s_prompts, answers = prefix_tokens(ro.prompts), int(ro.mask.sum())
+    floor = answers * (body + head)                      # what bench's floor counts
+    fp32 = t_prompts * body + floor                      # + the teacher's prompts
+    bf16 = fp32 + s_prompts * body + floor               # + the student re-scored (bf16 runs)
+    grpo = s_prompts * body + floor + 3 * ((s_prompts + answers) * body + answers * head)
+    print(f"\n{args.model_name}, {len(ro.problems)} x {cfg.group_size} answers x {args.max_new_tokens} tokens: "
+          f"{answers} answer tokens; {len(S.teacher_prompts(tok, ro, batch))} distinct teacher prompts, "
+          f"{t_prompts} tokens to prefill (their common beginning once); student prompts {s_prompts}\n")
+    print("| teacher FLOPs counted | / bench's teacher floor | SC-GRPO / GRPO by FLOPs |\n|---|---|---|")
+    for name, teacher in (("answers only (bench's floor)", floor), ("+ teacher prompts (fp32 run)", fp32),
+                          ("+ the student re-scored (bf16 run)", bf16)):
+        print(f"| {name} | {teacher / floor:.3f} | {(grpo + teacher) / grpo:.3f} |")
+
+
 def compile_cost(args):
     """Does torch.compile pay on this machine, its compile time included? Over the sampler calls of
     one SmolLM2 preset run (12 training batches of --prompts-per-step x G answers, then its 4
@@ -556,8 +601,8 @@ def output_name(args):
     """What a run measures, for its output file's name: the check, or the model and the shape."""
     if args.gpu_check:
         return "gpu_check" + ("_small" if args.small else "")
-    what = next((k for k in ("rescore_cost", "decode_attention_cost", "shared_kv_cost", "compile_cost")
-                 if getattr(args, k)), "bench")
+    what = next((k for k in ("rescore_cost", "decode_attention_cost", "shared_kv_cost", "compile_cost",
+                             "teacher_tokens") if getattr(args, k)), "bench")
     model = "".join(c if c.isalnum() else "_" for c in args.model.lower().replace("-135m", "")).strip("_")
     return f"{what.replace('_cost', '')}_{model}_{args.prompts_per_step}q"
 
@@ -600,6 +645,9 @@ def main():
                     help="bf16: teacher phase with and without re-scoring the student (see rescore_cost)")
     ap.add_argument("--decode-attention-cost", action=argparse.BooleanOptionalAction, default=False,
                     help="bf16 on a CPU: sampling with each decode attention (see decode_attention_cost)")
+    ap.add_argument("--teacher-tokens", action=argparse.BooleanOptionalAction, default=False,
+                    help="what the teacher's pass computes on one batch, against bench's floor "
+                    "(see teacher_tokens)")
     ap.add_argument("--compile-cost", action=argparse.BooleanOptionalAction, default=False,
                     help="a CPU: sampling and the teacher eager and under torch.compile over one "
                     "preset run's calls (see compile_cost)")
@@ -642,6 +690,8 @@ def main():
         return shared_kv_cost(args)
     if args.compile_cost:
         return compile_cost(args)
+    if args.teacher_tokens:
+        return teacher_tokens(args)
     if args.only:
         run = (run_trl(args, sc=args.only.startswith("trl-scgrpo"), bf16=args.only.endswith("@bf16"))
                if args.only.startswith("trl") else run_ours(args, args.only))
