@@ -495,8 +495,8 @@ def teacher_tokens(args):
     """What the teacher's pass computes on one batch of the preset's shape (3 answers of each group
     taken as correct, so every group is partial, as the benchmark's coin does about as often), in
     tokens and FLOPs: its distinct prompts (each holds the guide and a reference answer), the
-    answers, and under bf16 the student re-scored. bench's teacher floor counts the answers alone;
-    this says how far that undercounts, and what SC-GRPO / GRPO the FLOPs predict with each count."""
+    answers, and under bf16 the student re-scored. bench's teacher floor counted the answers alone
+    until commit 9d13b83; this says how far that undercounted, and what SC-GRPO / GRPO the FLOPs predict with each count."""
     model, tok = models.load_model(args.model, 0)
     runs.set_up_passes(model.eval(), torch.device("cpu"), False, fast=True)
     body, head = flops_per_token(model.config)
@@ -513,8 +513,9 @@ def teacher_tokens(args):
     print(f"\n{args.model_name}, {len(ro.problems)} x {cfg.group_size} answers x {args.max_new_tokens} tokens: "
           f"{answers} answer tokens; {len(S.teacher_prompts(tok, ro, batch))} distinct teacher prompts, "
           f"{t_prompts} tokens to prefill (their common beginning once); student prompts {s_prompts}\n")
-    print("| teacher FLOPs counted | / bench's teacher floor | SC-GRPO / GRPO by FLOPs |\n|---|---|---|")
-    for name, teacher in (("answers only (bench's floor)", floor), ("+ teacher prompts (fp32 run)", fp32),
+    print("| teacher FLOPs counted | / the answers' alone | SC-GRPO / GRPO by FLOPs |\n|---|---|---|")
+    for name, teacher in (("the answers only (bench's floor until 9d13b83)", floor),
+                          ("+ teacher prompts (fp32 run)", fp32),
                           ("+ the student re-scored (bf16 run)", bf16)):
         print(f"| {name} | {teacher / floor:.3f} | {(grpo + teacher) / grpo:.3f} |")
 
