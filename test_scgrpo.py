@@ -2724,6 +2724,16 @@ def test_confirmatory_statistics_against_tables_and_hand_computed_cases():
     assert (lo, hi) == pytest.approx((0.086 - half, 0.086 + half), abs=1e-5)
 
 
+def test_power_tool_against_cases_decided_by_hand():
+    """tools/power.py: the exact sign-flip test of n paired seeds rejects at alpha 0.05 only if
+    p < 0.05; with 6 seeds all of one sign p = 2/64 (rejects), with 4 seeds p >= 2/16 always (never
+    rejects): so a huge true effect has power 1 at 6 seeds and 0 at 4, whatever the draws; and its
+    vectorised test equals compare.sign_flip_p (checked inside on each study)."""
+    import power
+    assert power.power(1.0, 0.01, 6, studies=20) == 1.0 and power.power(1.0, 0.01, 4, studies=20) == 0.0
+    assert 0.0 < power.power(0.05, 0.079, 12, studies=200, checked=200) < 1.0
+
+
 def test_bf16_check_reads_the_confirmatory_sums_paired_by_seed_against_a_hand_computed_case():
     """compare.bf16_check (docs/speed.md's learning check): differences bf16 - fp32 on the 1,000 sums
     -0.02, +0.02, -0.04 (mean -0.0133, sample std 0.030551, t(0.975, 2) = 4.302653 from a printed
