@@ -62,10 +62,7 @@ def sample(model, prompts, n, max_new, temperature, eos_ids, pad_id, gen, keep_s
     generation_config (top-k, top-p, repetition penalty) is never read."""
     device = next(model.parameters()).device
     base, head = model.base_model, model.get_output_embeddings()
-    ids, attn = left_pad(prompts, pad_id, device)                                  # (B, P)
-    pos = (attn.cumsum(-1) - 1).clamp(min=0)                                       # (B, P)
-    with autocast(model):
-        out = base(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True)
+    out, attn, pos = prefill(model, prompts, pad_id)                               # (B, P)
     cache = out.cache
     cache.layers = [preallocated(layer, n, max_new) for layer in cache.layers]  # n copies, room
     h = out.last_hidden_state[:, -1].float().repeat_interleave(n, 0)               # (N, H)
@@ -104,6 +101,17 @@ def sample(model, prompts, n, max_new, temperature, eos_ids, pad_id, gen, keep_s
     if not keep_states:
         return comp_ids[:, :L], resp_mask[:, :L], None, None
     return comp_ids[:, :L], resp_mask[:, :L], hidden[:, :L], lse[:, :L]
+
+
+def prefill(model, prompts, pad_id):
+    """The prompts, left-padded (B, P) so each ends in the last column, through the body once with
+    its KV cache kept. -> (the body's output, attention mask (B, P), positions (B, P))"""
+    ids, attn = left_pad(prompts, pad_id, next(model.parameters()).device)         # (B, P)
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)                                       # (B, P)
+    with autocast(model):
+        out = model.base_model(input_ids=ids, attention_mask=attn, position_ids=pos,
+                               use_cache=True)
+    return out, attn, pos
 
 
 class Preallocated(DynamicLayer):

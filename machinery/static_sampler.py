@@ -18,9 +18,8 @@ import torch
 
 from transformers.cache_utils import StaticCache
 
-from machinery.batching import left_pad
 from machinery.models import autocast
-from machinery.speed import head_logits, sample_tokens
+from machinery.speed import head_logits, prefill, sample_tokens
 
 
 def static_cache(model, prompts_cache, n, length):
@@ -52,13 +51,9 @@ def sample_static(model, prompts, n, max_new, temperature, eos_ids, pad_id, gen,
     the one-token step (decode_step, or a compiled copy of it). A finished row keeps running on
     padding, its tokens thrown away, and its draws still consume the generator: with T > 0 the
     samples equal speed.sample's up to the first row's EOS, after which the draws differ."""
-    device = next(model.parameters()).device
-    base, head = model.base_model, model.get_output_embeddings()
-    ids, prompt_attn = left_pad(prompts, pad_id, device)                           # (B, P)
-    pos = (prompt_attn.cumsum(-1) - 1).clamp(min=0)                                # (B, P)
-    with autocast(model):
-        out = base(input_ids=ids, attention_mask=prompt_attn, position_ids=pos, use_cache=True)
-    B, P = ids.shape
+    device, head = next(model.parameters()).device, model.get_output_embeddings()
+    out, prompt_attn, pos = prefill(model, prompts, pad_id)                        # (B, P)
+    B, P = prompt_attn.shape
     N, length = B * n, P + max_new
     cache = static_cache(model, out.cache, n, length)
     attn = torch.zeros((N, length), dtype=torch.long, device=device)               # in place
