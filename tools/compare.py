@@ -91,7 +91,7 @@ STUDIES = {
     "smollm2-variants": dict(flags=["--model", "SmolLM2-135M", "--task", "addition", "--prompts-per-step", "8",
                                     "--steps", "12", "--eval-every", "4", "--eval-k", "0", "--log-update-size",
                                     "--dtype", "fp32"],
-                             seeds=[100], reach=None, gain=0.10, confirm=True,
+                             seeds=[100], reach=None, gain=0.10, confirm_set=True,
                              arms=["grpo", "scgrpo", "distill", "opsd", "rlsd", "rlsd-self"]),
     # Whether --dtype auto may pick bf16 on a CPU, its learning half (docs/speed.md, fixed before the
     # runs): the SmolLM2 preset's SC-GRPO in fp32 and in bf16 on 3 new paired seeds, each final model
@@ -180,10 +180,14 @@ ROUTES = ["grpo", "partial", "fallback", "none", "skipped"]
 
 def route_counts(steps, G, algo):
     """Groups per route over a run's logged steps. metrics.jsonl counts SC-GRPO's routes and the
-    skipped groups; GRPO's and DAPO's updated groups are their answers_updated / G (DAPO's
-    dropped groups never reach a route)."""
+    skipped groups; the groups updated on GRPO's route are the answers updated beyond those
+    routes' (G a partial or fallback group, G - 1 a solve-none one), over G: all of GRPO's and
+    DAPO's (whose dropped groups never reach a route), none of SC-GRPO's, and the rest of a
+    variant that mixes the two."""
     groups = {route: sum(m[f"groups_{route}"] for m in steps) for route in ROUTES[1:]}
-    return {"grpo": 0 if algo == "scgrpo" else sum(m["answers_updated"] for m in steps) // G, **groups}
+    beyond = [m["answers_updated"] - G * (m["groups_partial"] + m["groups_fallback"])
+              - (G - 1) * m["groups_none"] for m in steps]  # < 0 in a step that trained none
+    return {"grpo": sum(max(0, n) for n in beyond) // G, **groups}
 
 
 def die(msg):
@@ -308,7 +312,8 @@ def run_one(arm, seed, out_root, flags, rerun_stale=False, confirm=False, from_l
                 avg=evals[-1]["eval_avg_at_k"], passk=evals[-1]["eval_pass_at_k"],
                 wordings={w: evals[-1][f"greedy_{w}"] for w in WORDINGS if f"greedy_{w}" in evals[-1]},
                 kl_p75=statistics.median(kl_p75) if kl_p75 else None, groups=groups,
-                weight_means=[m["weight_mean"] for m in steps if "weight_mean" in m],
+                weight_means=[m["weight_mean"] for m in steps  # mean f(D): SC-GRPO's arms alone
+                              if m.get("weight_mean") is not None and algo == "scgrpo"],
                 # steps whose only routed groups were solve-none ones (SC-GRPO: Eq. 5 alone gave
                 # the gradient; with --alpha-div 0 there was none)
                 eq5_only=sum(m["groups_none"] > 0 and m["groups_partial"] + m["groups_fallback"] == 0

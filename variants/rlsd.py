@@ -103,7 +103,9 @@ def rlsd_step(model, optimizer, tok, cfg, batcher, rng, gen, eos_ids):
     metrics = step_metrics(ro, routes, batch, clock, **upd, eq5_only=False,
                            nonfinite=bool(batch.route) and not stepped)
     active = weights[taught][ro.mask[batch.row[taught]]]  # the taught answers' tokens
-    metrics.update(rlsd_lambda=lam, weight_mean=float(active.mean()) if active.numel() else None)
+    metrics["rlsd_lambda"] = lam
+    if active.numel():
+        metrics["rlsd_weight_mean"] = float(active.mean())
     signal = dict(name="RLSD's weight", lo=1 - lam * cfg.rlsd_eps_w, hi=1 + lam * cfg.rlsd_eps_w,
                   center=1.0)  # the credit page: below 1 blue, above orange
     return metrics, credit_examples(tok, ro, batch, taught.tolist(), signal, context)
