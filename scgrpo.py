@@ -19,7 +19,7 @@ past L_i = min(|o_i|, |o_r|) weigh 0 (1/|o_i| stays). 5. Eq. (5) over the G - 1 
 KL at softmax(z / T). 9. No reference KL, a constant lr, gradient norm clipped at 1.0. 10. Our
 guide wording. 11. A non-finite D weighs 0. 12. Eq. (5) as written (docs/eq5.md: its direction).
 Seams (variants/): main(Config=, step=), teacher_prompts, Batch.weights/.norm, update(loss_of=).
-Run: python scgrpo.py (tiny model, CPU, ~7 min); --model SmolLM2-135M --task addition (CPU,
+Run: python scgrpo.py (tiny model, CPU, ~2 min); --model SmolLM2-135M --task addition (CPU,
 ~8 min); --model Qwen2.5-0.5B --task gsm8k (one GPU). --fast (on in the real-model presets) swaps
 three plain steps, marked `if cfg.fast:`, for their equals in machinery/speed.py.
 """
