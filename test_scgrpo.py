@@ -1589,6 +1589,14 @@ VARIANT_BAD_INPUT = [  # (variant, argv, the words of the one error line): each 
     (eq5_options, ["--eq5-score", "copy"], "--eq5-score: invalid choice: 'copy'"),
     (eq5_options, ["--eq5-window", "all"], "--eq5-window: invalid choice: 'all'"),
     (eq5_options, ["--eq5-only-step", "never"], "--eq5-only-step: invalid choice: 'never'"),
+    (distill, ["--beta", "-0.1"], "--beta -0.1 is out of range: it must be >= 0"),
+    (distill, ["--beta-start", "-0.5"], "--beta-start -0.5 is out of range: it must be -1, or >= 0"),
+    (distill, ["--mix", "1.5"], "--mix 1.5 is out of range: it must be in [0, 1]"),
+    (opsd, ["--divergence", "reverse"], "--divergence: invalid choice: 'reverse'"),
+    (rlsd, ["--rlsd-eps-w", "1"], "--rlsd-eps-w 1.0 is out of range: it must be in [0, 1)"),
+    (rlsd, ["--rlsd-lambda", "2"], "--rlsd-lambda 2.0 is out of range: it must be in [0, 1]"),
+    (rlsd, ["--rlsd-lambda-decay-steps", "-1"], "--rlsd-lambda-decay-steps -1 is out of range"),
+    (rlsd, ["--teacher", "other"], "--teacher: invalid choice: 'other'"),
 ]
 
 
@@ -1611,7 +1619,7 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(args, needle, tmp_pa
 
 
 @pytest.mark.parametrize("variant,args,needle", VARIANT_BAD_INPUT,
-                         ids=[f"{v.__name__}:{' '.join(a)}" for v, a, _ in VARIANT_BAD_INPUT])
+                         ids=[f"{v.__name__.split('.')[-1]}:{' '.join(a)}" for v, a, _ in VARIANT_BAD_INPUT])
 def test_a_variants_bad_input_exits_2_with_one_line_and_writes_nothing(variant, args, needle, tmp_path,
                                                                           monkeypatch, capsys):
     """A variant's own flags are checked by the same rules as scgrpo.py's (its Config's rule)."""
