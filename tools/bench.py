@@ -114,12 +114,13 @@ def run_ours(args, impl):
         model.activation_checkpointing_enable({"use_reentrant": False})
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     batcher, rng, gen = tasks.Batcher(train_rows, 0), random.Random(0), torch.Generator(device).manual_seed(0)
-    seen, real_sample_groups, real_teacher_prompts = [], S.sample_groups, S.teacher_prompts
-    S.sample_groups = lambda *a, **k: seen.append(real_sample_groups(*a, **k)) or seen[-1]  # its token counts
-    S.teacher_prompts = lambda *a: seen.append(real_teacher_prompts(*a)) or seen[-1]  # and its teacher's
+    sampled, taught, real_sample_groups, real_teacher_prompts = [], [], S.sample_groups, S.teacher_prompts
+    S.sample_groups = lambda *a, **k: sampled.append(real_sample_groups(*a, **k)) or sampled[-1]  # token counts
+    S.teacher_prompts = lambda *a: taught.append(real_teacher_prompts(*a)) or taught[-1]  # and the teacher's
     rows = []
     for step in range(args.steps + 1):
-        seen.clear()
+        sampled.clear()
+        taught.clear()
         t0 = time.time()
         m, _ = train_step(model, opt, tok, cfg, batcher, rng, gen, models.stop_ids(model, tok))
         if device.type == "cuda":
@@ -127,7 +128,7 @@ def run_ours(args, impl):
         if step > 0:  # step 0 is the warm-up
             rows.append(dict(total=time.time() - t0, generate=m["t_sample"], teacher=m["t_teacher"],
                              update=m["t_update"], reward=m["reward_mean"], updated=m["answers_updated"],
-                             tokens=step_tokens(seen)))
+                             tokens=step_tokens(sampled, taught)))
     timings = {k: spread([r[k] for r in rows]) for k in ("total", "generate", "teacher", "update")}
     tokens = {k: statistics.mean(r["tokens"][k] for r in rows) for k in rows[0]["tokens"]}
     tokens["rescored"] = bool(tokens["rescored"])
@@ -137,16 +138,16 @@ def run_ours(args, impl):
                 peak_gib=peak_memory_gib(device))
 
 
-def step_tokens(seen):
+def step_tokens(rollouts, teacher_prompts):
     """What one step had to compute, in tokens, from what it sampled (Rollouts) and the teacher
-    prompts it built (dicts): its prompts (each prefilled once), the answers' tokens, the sampler's
-    decoding steps (each reads every weight once), and the teacher's distinct prompts (their
-    common beginning once, prefix_tokens). A bf16 run re-scores the student too (flop_floors)."""
-    rollouts = [x for x in seen if not isinstance(x, dict)]
+    prompts it built (dicts {answer: prompt}): its prompts (each prefilled once), the answers'
+    tokens, the sampler's decoding steps (each reads every weight once), and the teacher's distinct
+    prompts (their common beginning once, prefix_tokens). A bf16 run re-scores the student too
+    (flop_floors)."""
     return dict(prompts=sum(len(p) for ro in rollouts for p in ro.prompts),
                 answers=sum(int(ro.mask.sum()) for ro in rollouts),
                 decode_steps=sum(int(ro.mask.sum(1).max()) for ro in rollouts),
-                teacher_prompts=sum(prefix_tokens(x.values()) for x in seen if isinstance(x, dict) and x),
+                teacher_prompts=sum(prefix_tokens(t.values()) for t in teacher_prompts),
                 rescored=all(ro.hidden is None for ro in rollouts))
 
 
@@ -496,23 +497,24 @@ def teacher_tokens(args):
     taken as correct, so every group is partial, as the benchmark's coin does about as often), in
     tokens and FLOPs: its distinct prompts (each holds the guide and a reference answer), the
     answers, and under bf16 the student re-scored. bench's teacher floor counted the answers alone
-    until commit 9d13b83; this says how far that undercounted, and what SC-GRPO / GRPO the FLOPs predict with each count."""
+    until commit 9d13b83; this says how far that undercounted, and what SC-GRPO / GRPO the FLOPs
+    predict with each count (flop_floors, FLOPs rather than seconds)."""
     model, tok = models.load_model(args.model, 0)
     runs.set_up_passes(model.eval(), torch.device("cpu"), False, fast=True)
     body, head = flops_per_token(model.config)
     cfg = S.Config(algo="scgrpo", group_size=args.group_size, max_new_tokens=args.max_new_tokens,
                    temperature=0.8, fast=True)
     ro = partial_rollout(args, model, tok, cfg, keep_states=False)
-    batch = partial_batch(ro)
-    t_prompts = prefix_tokens(S.teacher_prompts(tok, ro, batch).values())
-    s_prompts, answers = prefix_tokens(ro.prompts), int(ro.mask.sum())
-    floor = answers * (body + head)                      # what bench's floor counts
-    fp32 = t_prompts * body + floor                      # + the teacher's prompts
-    bf16 = fp32 + s_prompts * body + floor               # + the student re-scored (bf16 runs)
-    grpo = s_prompts * body + floor + 3 * ((s_prompts + answers) * body + answers * head)
+    teacher_prompts = S.teacher_prompts(tok, ro, partial_batch(ro))
+    t_prompts = prefix_tokens(teacher_prompts.values())
+    tokens = dict(prompts=prefix_tokens(ro.prompts), answers=int(ro.mask.sum()))
+    flops = lambda **more: flop_floors((body, head), dict(tokens, **more), 1e-9)  # noqa: E731 (1e-9: FLOPs)
+    floor, fp32, bf16 = (flops()["teacher"], flops(teacher_prompts=t_prompts)["teacher"],
+                         flops(teacher_prompts=t_prompts, rescored=True)["teacher"])
+    grpo = flops()["generate"] + flops()["update"]
     print(f"\n{args.model_name}, {len(ro.problems)} x {cfg.group_size} answers x {args.max_new_tokens} tokens: "
-          f"{answers} answer tokens; {len(S.teacher_prompts(tok, ro, batch))} distinct teacher prompts, "
-          f"{t_prompts} tokens to prefill (their common beginning once); student prompts {s_prompts}\n")
+          f"{tokens['answers']} answer tokens; {len(teacher_prompts)} distinct teacher prompts, "
+          f"{t_prompts} tokens to prefill (their common beginning once); student prompts {tokens['prompts']}\n")
     print("| teacher FLOPs counted | / the answers' alone | SC-GRPO / GRPO by FLOPs |\n|---|---|---|")
     for name, teacher in (("the answers only (bench's floor until 9d13b83)", floor),
                           ("+ teacher prompts (fp32 run)", fp32),
