@@ -9,25 +9,24 @@ number of correct answers:
     2 <= n_c < G   partial     tau: a verified answer other than o_i; A_i of Eq. (1), times f(D)
     n_c = 1        fallback    plain GRPO, weight 1 (taught, such groups collapsed the entropy)
     n_c = 0        solve-none  tau = o_r, one of its own answers; alpha * A_div_i of Eq. (5), x f(D)
-    n_c = G        skip        every advantage is 0: no gradient
-Indices: b a question (B a step); n a Rollout row, answer n % G to question n // G; m a Batch row,
-one of the M answers that get a gradient. --algo grpo is GRPO: every weight 1, no teacher.
-Where we interpret the paper (docs/notes.md says why): 1. c over all the step's active tokens, both
-routes. 2. D measured once a step, not per PPO epoch. 3. o_r gets no gradient. 4. Solve-none tokens
-past L_i = min(|o_i|, |o_r|) weigh 0 (1/|o_i| stays). 5. Eq. (5) over the G - 1 answers but o_r.
-6. o_r under the same guide text. 7. Population std; a skipped group counts in B. 8. Log-probs and
-KL at softmax(z / T). 9. No reference KL, a constant lr, gradient norm clipped at 1.0. 10. Our
-guide wording. 11. A non-finite D weighs 0. 12. Eq. (5) as written (docs/eq5.md: its direction).
-Seams (variants/): main(Config=, step=), teacher_prompts, Batch.weights/.norm, update(loss_of=).
+    n_c = G        skip        every advantage is 0: no gradient   (--algo grpo: 'grpo' or 'skip')
+Indices: b a question (B a step); i, j answers within a group (G); t a token; n a Rollout row,
+answer n % G to question n // G; m a Batch row, one of the M answers that get a gradient.
+Seams, each a function a fork passes to main() in place of ours (variants/README.md): context=
+teacher_prompts (each answer's teacher prompt, Eq. 4), credit=sc_credit (per-token weights f(D),
+advantages of Eq. 5), loss_of=micro_batch_loss (a micro-batch's -J_SC), route=route_groups.
+Where we read the paper, a comment says "our reading" (docs/notes.md says why): at GUIDE,
+group_advantages, make_batch, answer_logprobs, sc_weights, diversity_advantages, train_step, train.
 Run: python scgrpo.py (tiny model, CPU, ~2 min); --model SmolLM2-135M --task addition (CPU,
 ~8 min); --model Qwen2.5-0.5B --task gsm8k (one GPU). --fast (on in the real-model presets) swaps
-three plain steps, marked `if cfg.fast:`, for their equals in machinery/speed.py.
+three plain steps, each marked `if cfg.fast:`, for their equals in machinery/speed.py.
 """
 import math
 import random
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from decimal import Decimal
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -36,22 +35,14 @@ from tqdm import tqdm
 
 from machinery import speed  # the fast equals of three plain steps below (--fast)
 from machinery.batching import decode, distinct, left_pad, micro_batches, pack, take_rows
-from machinery.cli import parse_config  # flags -> Config: preset, then explicit flags; checks
+from machinery.cli import parse_config, setting  # flags -> Config; setting: a field with --help
 from machinery.credit import credit_examples  # the answers shown on the credit page
 from machinery.models import TINY_TEMPLATE, autocast, no_grad_model, training
 from machinery.metrics import Phases, UpdateLog, kl_metrics, step_metrics  # what a step logs
 from machinery.runs import Run  # the run folder: logs, checkpoints, resume
 from machinery.tasks import Batcher, last_boxed
-# Bookkeeping: left_pad(token lists) -> ids, mask (B, P), each prompt ending in the last column;
-# pack(rollout, rows[, n]) -> ids, mask (b, L) of those answers (their first n tokens).
 
 # Config -------------------------------------------------------------------------------------------
-
-def setting(default, help, choices=None, rule=None):
-    """A Config field: its default, its --help text (unit, why this default), allowed values, and
-    a rule (test(value, cfg), the rule in words) that machinery/cli.py checks before a run."""
-    return field(default=default, metadata={"help": help, "choices": choices, "rule": rule})
-
 
 @dataclass
 class Config:
@@ -118,8 +109,7 @@ def normalize_number(s):
     if m is None:
         return None
     num = m.group(0).replace(",", "")
-    if "." in num:
-        num = num.rstrip("0").rstrip(".")
+    num = num.rstrip("0").rstrip(".") if "." in num else num
     return "0" if num in ("-0", "") else num
 
 
@@ -141,24 +131,22 @@ def verify(completion, gold):
     """Rule-based reward: True if the completion's final number (extract_answer) equals the
     gold answer (a GSM8K `answer` field ending in '#### N', or a bare number)."""
     want, got = normalize_number(gold.rsplit("####", 1)[-1]), extract_answer(completion)
-    if want is None or got is None:
-        return False
-    # both are digit strings (NUMBER), which Decimal reads exactly: 18.00 = 18, 10**9 + 1 != 10**9
-    return Decimal(got) == Decimal(want)
+    # both digit strings (NUMBER), which Decimal reads exactly: 18.00 = 18, 10**9 + 1 != 10**9
+    return want is not None and got is not None and Decimal(got) == Decimal(want)
 
 # Prompts: the student's, and the teacher's with a reference answer in it --------------------------
 
 SYSTEM_PROMPT = ("Solve the math problem step by step. Give the final answer as a number in "
                  "\\boxed{}.")
-# the guide text, our wording (note 10); a solve-none o_r, a wrong answer, gets it too (note 6)
+# The guide text, our wording (App. E.1 does not publish the paper's). Our reading: a solve-none
+# o_r, a wrong answer, goes in under the same words, so that s_i measures what the weights measure.
 GUIDE = ("\n\nBelow is a solution to this problem that was checked and is correct. Use it to "
          "guide your reasoning, then write your own complete solution.\n\nChecked solution:\n")
 
 
 def encode_prompt(tok, question, reference=None):
-    """Token ids of the chat prompt. Student: system prompt + question. Teacher, Eq. (4) and
-    App. E.1: the same system prompt + guide instruction + reference, all in the system
-    message, then the same question. One function, so the only difference is visible here."""
+    """Token ids of the chat prompt. Student: system prompt + question. Teacher (Eq. 4, App. E.1):
+    the same, with the guide and the reference added to the system message. One function."""
     tiny = tok.chat_template == TINY_TEMPLATE  # the tiny model reads digits only
     system = "" if tiny else SYSTEM_PROMPT
     if reference is not None:
@@ -174,16 +162,14 @@ def encode_prompt(tok, question, reference=None):
 
 @dataclass
 class Rollout:
-    """G graded answers to each of B questions; row n of the (N, L) tensors, N = B * G, is
-    answer n % G to question n // G. hidden and lse: see speed.teacher_kl (--fast only)."""
+    """G graded answers to each of B questions: row n (of N) is answer n % G to question n // G."""
     problems: list                # B task dicts {'question', 'answer'}
     prompts: list                 # B student prompts, token-id lists
     ids: torch.Tensor             # (N, L) answer tokens, padding after the end
     mask: torch.Tensor            # (N, L) bool, True up to and including the first EOS
     texts: list                   # N decoded answers
     correct: torch.Tensor         # (B, G) the reward r: 1.0 where the verifier accepts the answer
-    hidden: torch.Tensor = None   # (N, L, H) the student's final hidden states
-    lse: torch.Tensor = None      # (N, L) the student's log sum_v exp(z_v / T)
+    fast_states: tuple = None     # --fast only: the sampler's states, which the teacher reuses
 
     @property
     def G(self):                  # answers per question, read from the rollout in one place
@@ -222,54 +208,51 @@ def sample(model, prompts, n, max_new, temperature, eos_ids, pad_id, gen):
     return ids[:, P:P + L], mask[:, :L]
 
 
-def sample_answers(model, cfg, prompts, n, temperature, eos_ids, pad_id, gen, keep_states=False):
-    """n answers to each prompt: sample(), or speed.sample with --fast. -> ids, mask (N, L), and
-    the student's states (speed.teacher_kl reuses them: --fast, keep_states, fp32) or None, None."""
-    fp32 = getattr(model, "autocast_dtype", None) is None  # bf16 passes round apart: not kept
+def sample_answers(model, cfg, prompts, n, temperature, eos_ids, pad_id, gen):
+    """n answers to each prompt: sample(), or speed.sample (--fast). -> ids, mask (N, L), states"""
     args = (no_grad_model(model), prompts, n, cfg.max_new_tokens, temperature, eos_ids, pad_id, gen)
-    if cfg.fast:  # speed.sample in place of sample(): a KV cache and inverse-CDF draws
-        return speed.sample(*args, keep_states=keep_states and fp32)
-    return (*sample(*args), None, None)
+    if cfg.fast:  # speed.sample in place of sample(): a KV cache, inverse-CDF draws, states kept
+        return speed.sample(*args)
+    return (*sample(*args), None)
 
 
-def sample_groups(model, tok, cfg, problems, n, temperature, gen, eos_ids, keep_states=False):
-    """A group of n answers to each question, decoded and verified. -> Rollout (G = n)"""
+def sample_groups(model, tok, cfg, problems, G, temperature, gen, eos_ids):
+    """A group of G answers to each question, decoded and verified. -> Rollout"""
     prompts = [encode_prompt(tok, p["question"]) for p in problems]
-    ids, mask, hidden, lse = sample_answers(model, cfg, prompts, n, temperature, eos_ids,
-                                            tok.pad_token_id, gen, keep_states)
+    ids, mask, fast_states = sample_answers(model, cfg, prompts, G, temperature, eos_ids,
+                                            tok.pad_token_id, gen)
     texts = decode(tok, ids, mask)
-    correct = torch.tensor([verify(t, problems[j // n]["answer"]) for j, t in enumerate(texts)])
+    correct = torch.tensor([verify(t, problems[n // G]["answer"]) for n, t in enumerate(texts)])
     return Rollout(problems=problems, prompts=prompts, ids=ids, mask=mask, texts=texts,
-                   correct=correct.view(-1, n).float(), hidden=hidden, lse=lse)
+                   correct=correct.view(-1, G).float(), fast_states=fast_states)
 
 # Group advantages, routes and references ----------------------------------------------------------
 
 def group_advantages(rewards):
     """Group-relative advantages. rewards (B, G) -> (B, G); a group whose rewards are all
-    equal gets exactly 0, not NaN."""
+    equal gets exactly 0, not NaN. Our reading: the population std (divide by G)."""
     mean = rewards.mean(1, keepdim=True)                                           # (B, 1)
     std = rewards.std(1, keepdim=True, unbiased=False)                             # (B, 1)
     # Eq. (1): A_i = (r_i - mean(r)) / std(r)  -- one scalar per answer, shared by its tokens
     return torch.where(std > 0, (rewards - mean) / std.clamp_min(1e-12), torch.zeros_like(rewards))
 
 
-def route_groups(rewards, algo):
-    """Each group's route from its rewards (B, G) -> B str. scgrpo: by n_c, the header's table
-    (the paper's ablation teaching n_c = 1 groups saw entropy collapse). grpo: 'skip' or 'grpo'."""
-    G, routes = rewards.shape[1], []
-    for group in rewards:                                                          # (G,)
-        n_c = int((group > 0.5).sum())
-        if algo == "grpo":
-            routes.append("skip" if bool((group == group[0]).all()) else "grpo")
-        else:
-            routes.append({0: "solve_none", 1: "fallback", G: "skip"}.get(n_c, "partial"))
-    return routes
+def route_groups(rewards):
+    """SC-GRPO's route of each group, by n_c (the header's table): rewards (B, G) -> B str, one
+    per group. Fallback, not taught: the paper's ablation teaching n_c = 1 saw entropy collapse."""
+    G = rewards.shape[1]
+    return [{0: "solve_none", 1: "fallback", G: "skip"}.get(int((group > 0.5).sum()), "partial")
+            for group in rewards]
+
+
+def grpo_routes(rewards):
+    """GRPO's routes (--algo grpo): 'skip' where all rewards are equal, else 'grpo' (weight 1)."""
+    return ["skip" if bool((group == group[0]).all()) else "grpo" for group in rewards]
 
 
 def pick_references(correct, route, rng):
-    """Reference tau for each answer of one group: list of G indices or None.
-    partial: uniform over the group's verified answers, never the answer itself.
-    solve_none: one answer o_r drawn uniformly serves every other answer; o_r itself gets None."""
+    """Each answer's reference in one group: G indices j within the group, or None. partial: one of
+    the verified answers, never itself; solve_none: one o_r for all, o_r itself None (uniform)."""
     G = len(correct)
     if route == "partial":
         good = [j for j in range(G) if correct[j]]
@@ -284,52 +267,54 @@ def pick_references(correct, route, rng):
 class Batch:
     """The M answers that get a gradient this step, in rollout order (skipped groups and each
     solve-none o_r left out). Every per-answer quantity is a row, so a micro-batch is a slice,
-    batch[i:j]. make_batch sets kl 0, weights 1, adv Eq. (1); the teacher returns copies."""
-    row: torch.Tensor       # (M,) long, the answer's row n in the rollout
-    question: torch.Tensor  # (M,) long, its question b in the rollout: n // G
-    ref: torch.Tensor       # (M,) long, the rollout row of its reference (tau or o_r); -1: none
-    route: list             # M routes: 'grpo', 'partial', 'solve_none' or 'fallback'
-    adv: torch.Tensor       # (M,) A_i of Eq. (1), or alpha * A_div_i of Eq. (5) if solve-none
-    n_active: torch.Tensor  # (M,) its active tokens: all |o_i|, or L_i if solve-none (note 4)
-    norm: torch.Tensor      # (M,) J's normaliser of each of its tokens: 1 / (B G |o_i|)
-    kl: torch.Tensor        # (M, L) D_it; 0 where not scored
-    weights: torch.Tensor   # (M, L) f(D_it); 1 on each answer token for GRPO and 'fallback'
+    batch[i:j]. make_batch sets kl 0, weights 1, adv Eq. (1); each seam returns a changed copy."""
+    row: torch.Tensor         # (M,) long, the answer's row n in the rollout
+    question: torch.Tensor    # (M,) long, its question b in the rollout: n // G
+    ref_row: torch.Tensor     # (M,) long, the rollout row of its reference (tau or o_r); -1: none
+    route: list               # M str, the route of its group
+    adv: torch.Tensor         # (M,) A_i of Eq. (1), or alpha * A_div_i of Eq. (5) if solve-none
+    active: torch.Tensor      # (M, L) bool, the tokens a teacher scores and f(D) weighs
+    loss_scale: torch.Tensor  # (M,) each of its tokens' factor in J: 1 / (B G |o_i|)
+    kl: torch.Tensor          # (M, L) D_it; 0 where not scored
+    weights: torch.Tensor     # (M, L) f(D_it); 1 on each answer token for GRPO and 'fallback'
+    context: list = None      # M teacher prompts (token ids), None for no teacher: the context seam
 
     @property
-    def scored(self):       # (R,) the rows whose answer a teacher scores: those with a reference
-        return (self.ref >= 0).nonzero().squeeze(1)
+    def scored(self):         # (R,) the rows a teacher scores: those with a teacher prompt
+        return torch.tensor([m for m, c in enumerate(self.context) if c is not None]).long()
 
     def __getitem__(self, k):  # a slice or index list k -> the Batch of those rows
         return take_rows(self, torch.arange(len(self.route))[k])
 
 
-def make_batch(ro, routes, adv, refs):
-    """One row per answer that gets a gradient: its advantage, unit weights, the normaliser of
-    J and, on SC-GRPO's routes, its reference and active length. ro: Rollout; routes: B str;
-    adv (B, G); refs: each group's G references (pick_references). -> Batch (kl still 0)"""
+def make_batch(ro, group_routes, adv, refs):
+    """One row per answer that gets a gradient: its advantage, reference, active tokens, unit
+    weights, factor in J. group_routes: B str; adv (B, G); refs: each group's pick_references."""
     G, lengths = ro.G, ro.lengths                                                  # (B, G)
-    row, ref, route, n_active = [], [], [], []
-    for b, (group_route, group_refs) in enumerate(zip(routes, refs)):
+    row, ref_row, route, n_active = [], [], [], []
+    for b, (group_route, group_refs) in enumerate(zip(group_routes, refs)):
         if group_route == "skip":
             continue
         for i, j in enumerate(group_refs):
             if group_route == "solve_none" and j is None:
-                continue  # o_r, the solve-none reference itself: advantage 0, no gradient (note 3)
-            L_i = int(lengths[b, i])  # active tokens: the whole answer, or if solve-none its
-            if group_route == "solve_none":  # first L_i = min(|o_i|, |o_r|) (note 4)
-                L_i = min(L_i, int(lengths[b, j]))
+                continue  # our reading: o_r, the reference itself, gets advantage 0, no gradient
+            L_i = int(lengths[b, i])
+            if group_route == "solve_none":  # our reading: only the first L_i = min(|o_i|, |o_r|)
+                L_i = min(L_i, int(lengths[b, j]))  # tokens are active; those after weigh 0
             row.append(b * G + i)
-            ref.append(-1 if j is None else b * G + j)
+            ref_row.append(-1 if j is None else b * G + j)
             route.append(group_route)
             n_active.append(L_i)
     row = torch.tensor(row, dtype=torch.long)                                       # (M,)
     mask = ro.mask[row]                                                             # (M, L)
+    active = (torch.arange(mask.shape[1]) < torch.tensor(n_active)[:, None]).to(mask.device)
     # J (§5.1) = 1/B sum_b 1/G sum_i 1/|o_i| sum_t ...: 1 / (B G |o_i|) on each token of o_i, with
-    # the whole |o_i| also where only L_i weigh (note 4); a skipped group still counts in B (note 7)
-    norm = (1.0 / (len(routes) * G * lengths.view(-1)[row].double())).float()      # (M,)
-    return Batch(row=row, question=row // G, ref=torch.tensor(ref, dtype=torch.long), route=route,
-                 adv=adv.reshape(-1)[row], n_active=torch.tensor(n_active, dtype=torch.long),
-                 norm=norm, kl=torch.zeros(mask.shape, device=mask.device), weights=mask.float())
+    # the whole |o_i| also where only L_i weigh; our reading: a skipped group still counts in B
+    loss_scale = (1.0 / (len(group_routes) * G * lengths.view(-1)[row].double())).float()  # (M,)
+    return Batch(row=row, question=row // G, ref_row=torch.tensor(ref_row, dtype=torch.long),
+                 route=route, adv=adv.reshape(-1)[row], active=active, loss_scale=loss_scale,
+                 kl=torch.zeros(mask.shape, device=mask.device), weights=mask.float(),
+                 context=[None] * len(route))
 
 # Scoring answers: the plain forward behind the update's log-probs and the teacher's KL ------------
 
@@ -354,52 +339,60 @@ def answer_logprobs(model, cfg, ro, mb):
         return speed.answer_logprobs(model, ro.prompts, questions, ids, mask, cfg.temperature,
                                      cfg.grad_checkpoint), mask
     logits = forward_answers(model, [ro.prompts[b] for b in questions], ids, mask)  # (b, L, V)
+    # our reading: every log-prob and KL is of softmax(z / T), the distribution that sampled
     lp = F.log_softmax(logits / cfg.temperature, -1).gather(-1, ids[..., None])   # (b, L, 1)
     return lp.squeeze(-1).masked_fill(~mask, 0.0), mask
 
 # The self-conditioned teacher: its prompts, D per token, f(D) with c, Eq. (5) ---------------------
 
 def teacher_prompts(tok, ro, batch):
-    """Eq. (4)'s prompt for each reference the batch uses: {rollout row j: token ids of its
-    question with answer j as tau}. A fork's teacher (a gold solution, other wording) goes here."""
-    return {j: encode_prompt(tok, ro.problems[j // ro.G]["question"], ro.texts[j])
-            for j in batch.ref.unique().tolist() if j >= 0}
+    """The context seam, SC-GRPO's: each row's teacher prompt (Eq. 4, its reference as tau), or None
+    for no reference. One prompt object per reference (--fast prefills it once). -> M entries"""
+    prompts = {j: encode_prompt(tok, ro.problems[j // ro.G]["question"], ro.texts[j])
+               for j in batch.ref_row.unique().tolist() if j >= 0}
+    return [prompts.get(j) for j in batch.ref_row.tolist()]
 
 
 @torch.no_grad()
 def teacher_kl(model, cfg, ro, rows, prompts, prompt_of, ids, active):
-    """D_it = KL(teacher || student) at the n active tokens of the answers `rows` (b,): the teacher
-    (the same model, a reference in its prompt, Eq. 4) scores the same tokens. prompts: the
-    distinct teacher prompts, prompt_of (b,) each answer's; ids, active (b, L). -> D (n,)"""
+    """D_it = KL(teacher || student) at the n active tokens of answers `rows` (b,), the teacher (the
+    same model, Eq. 4) after prompts[prompt_of] (b,); ids, active (b, L). -> D, and log p_teacher
+    and log p_student of each sampled token (a fork's credit may want them), each (n,)"""
     model = no_grad_model(model)  # --dtype bf16: the bf16 weights (no gradient flows here)
-    if cfg.fast:  # speed.teacher_kl in place of the four statements below
+    if cfg.fast:  # speed.teacher_kl in place of the five statements below
         return speed.teacher_kl(model, ro, rows, prompts, prompt_of, ids, active, cfg.temperature)
     student = forward_answers(model, [ro.prompts[b] for b in (rows // ro.G).tolist()], ids, active)
     teacher = forward_answers(model, [prompts[k] for k in prompt_of.tolist()], ids, active)
     log_s, log_t = (F.log_softmax(z / cfg.temperature, -1) for z in (student, teacher))  # (b, L, V)
     # D_t (§5.1) = KL(teacher || student) = sum_v p_t(v) (log p_t(v) - log p_s(v)); kl_div(in, tgt)
-    return F.kl_div(log_s, log_t, log_target=True, reduction="none").sum(-1)[active]
+    kl = F.kl_div(log_s, log_t, log_target=True, reduction="none").sum(-1)       # (b, L)
+    logp_t, logp_s = (lp.gather(-1, ids[..., None]).squeeze(-1) for lp in (log_t, log_s))
+    return kl[active], logp_t[active], logp_s[active]
 
 
 @torch.no_grad()
-def measure_kl(model, cfg, ro, batch, prompts):
-    """D at the active tokens of every answer with a reference (prompts: teacher_prompts), sorted
-    by question and reference so that --fast prefills a prompt once. -> kl (M, L), 0 elsewhere"""
-    kl = torch.zeros_like(batch.kl)                                                # (M, L)
-    order = sorted(batch.scored.tolist(), key=lambda m: (int(batch.question[m]), int(batch.ref[m])))
-    for chunk in torch.tensor(order, dtype=torch.long).split(cfg.micro_batch):    # Batch rows
-        ids, active = pack(ro, batch.row[chunk], batch.n_active[chunk])            # (b, L)
-        refs, prompt_of = distinct(batch.ref[chunk].tolist(), ids.device)  # their references
-        d = teacher_kl(model, cfg, ro, batch.row[chunk], [prompts[j] for j in refs], prompt_of,
-                       ids, active)                                                # (n,)
-        back = torch.zeros(active.shape, device=kl.device).masked_scatter(active, d)  # (b, L)
-        kl[chunk, :active.shape[1]] = back  # pack cut the rows to their longest answer: <= L wide
-    return kl
+def teacher_pass(model, cfg, ro, batch):
+    """The teacher scores the active tokens of every answer with a teacher prompt (batch.context),
+    in micro-batches. -> D, log p_teacher(o_t), log p_student(o_t), each (M, L), 0 elsewhere"""
+    out = torch.zeros((3, *batch.kl.shape), device=batch.kl.device)               # (3, M, L)
+    # by question and reference only so that --fast prefills each shared prompt once
+    order = sorted(batch.scored.tolist(), key=lambda m: (int(batch.question[m]),
+                                                         int(batch.ref_row[m])))
+    for k in range(0, len(order), cfg.micro_batch):
+        chunk = torch.tensor(order[k:k + cfg.micro_batch])                         # Batch rows
+        ids, active = pack(ro, batch.row[chunk], batch.active[chunk])              # (b, L)
+        prompts, prompt_of = distinct([batch.context[m] for m in chunk.tolist()], ids.device, id)
+        got = torch.stack(teacher_kl(model, cfg, ro, batch.row[chunk], prompts, prompt_of, ids,
+                                     active))                                      # (3, n)
+        back = out.new_zeros(3, *active.shape).masked_scatter(active, got)         # (3, b, L')
+        out[:, chunk, :active.shape[1]] = back  # pack cut the rows to their longest: L' <= L
+    return out.unbind()
 
 
 def sc_weights(kl, active, c_min=1e-4, q=0.75):
     """f(D) = D / (D + c), c = max(quantile_q(D over active tokens), c_min). kl, active (...) ->
-    weights (...) in [0, 1), 0 off the active tokens, and c. A non-finite D weighs 0 (note 11)."""
+    weights (...) in [0, 1), 0 off the active tokens, and c. Our readings: c over every active token
+    of the step (no micro-batch changes it); a non-finite D weighs 0 and stays out of c."""
     kl = kl.clamp_min(0.0)  # D >= 0, but rounding can put a teacher ~ student token a hair below
     active = active & torch.isfinite(kl)
     d = kl[active]
@@ -408,15 +401,13 @@ def sc_weights(kl, active, c_min=1e-4, q=0.75):
     return torch.where(active, kl / (kl + c), torch.zeros_like(kl)).detach(), c
 
 
-@torch.no_grad()
-def self_condition(model, cfg, ro, batch, prompts):
-    """SC-GRPO's teacher: D (measure_kl), f(D) with c over the step's active tokens (note 1); a
-    batch without references (GRPO) comes back as it was. -> (batch with kl, weights; metrics)"""
+def weigh_tokens(cfg, batch, kl):
+    """f(D) on the active tokens of every answer the teacher scored, D = kl (M, L); other rows
+    keep their weights. -> (batch with kl and weights; the teacher's metrics)"""
     scored = batch.scored                                                          # (R,)
     if not len(scored):
         return batch, {}
-    kl = measure_kl(model, cfg, ro, batch, prompts)                                # (M, L)
-    active = (torch.arange(kl.shape[1]) < batch.n_active[scored, None]).to(kl.device)  # (R, L)
+    active = batch.active[scored]                                                  # (R, L)
     w, c = sc_weights(kl[scored], active, cfg.c_min, cfg.kl_quantile)              # (R, L)
     weights = batch.weights.index_put((scored,), w)  # a copy, f(D) in the scored rows (M, L)
     return replace(batch, kl=kl, weights=weights), kl_metrics(kl[scored], active, w, c)
@@ -424,13 +415,13 @@ def self_condition(model, cfg, ro, batch, prompts):
 
 def window_means(batch):
     """s_i (§5.1) = 1/L_i sum_{t <= L_i} f(D_it): each answer's mean weight over its window."""
-    return batch.weights.sum(1).cpu() / batch.n_active                             # (M,)
+    return batch.weights.sum(1).cpu() / batch.active.sum(1).cpu()                 # (M,)
 
 
 def diversity_advantages(s, alpha=0.1, eps=1e-6):
     """Eq. (5) for one solve-none group: s (G-1,) the scores s_i of its answers other than o_r
-    (note 5). -> alpha * A_div (G-1,). Unlike Eq. (1) the paper adds eps to the std here."""
-    # Eq. (5): A_div_i = (s_i - mean(s)) / (std(s) + eps) over the G-1 answers, times alpha
+    (our reading: o_r has no score, so the mean and std leave it out). -> alpha * A_div (G-1,)"""
+    # Eq. (5), as written (docs/eq5.md: which way s_i points): A_div_i = (s_i - mean) / (std + eps)
     return alpha * (s - s.mean()) / (s.std(unbiased=False) + eps)
 
 
@@ -444,32 +435,42 @@ def solve_none_advantages(batch, s, alpha):
         adv[members] = diversity_advantages(s[members], alpha)
     return adv
 
+
+def sc_credit(model, cfg, ro, batch):
+    """The credit seam, SC-GRPO's: the teacher's D -> f(D) -> Eq. (5). A batch with no teacher
+    prompt (GRPO) comes back as it was. -> (batch with kl, weights and adv; metrics)"""
+    kl, _, _ = teacher_pass(model, cfg, ro, batch)  # the two log-probs are there for forks
+    batch, metrics = weigh_tokens(cfg, batch, kl)                                  # f(D)
+    # Eq. (5) reads the weights: a weight multiplied in before this line changes s_i, after it not
+    batch = replace(batch, adv=solve_none_advantages(batch, window_means(batch), cfg.alpha_div))
+    return batch, metrics
+
 # The loss: the clipped GRPO objective, each token weighted by f(D) --------------------------------
 
-def policy_loss(logp, old_logp, adv, weights, norm, mask, eps_low, eps_high):
+def policy_loss(logp, old_logp, adv, weights, loss_scale, mask, eps_low, eps_high):
     """-J_SC and the number of tokens whose ratio is outside the clip range. logp, old_logp,
-    weights, mask (b, L), weights 0 off the answer; adv, norm (b,). With weights 1: GRPO."""
+    weights, mask (b, L), weights 0 off the answer; adv, loss_scale (b,). With weights 1: GRPO."""
     # padding: rho = 1 there, so a NaN cannot leak into the gradient, and weight 0, so no loss
     logp, old_logp = logp.masked_fill(~mask, 0.0), old_logp.masked_fill(~mask, 0.0)
     ratio = torch.exp(logp - old_logp)                                             # rho (b, L)
     a = adv[:, None]                                                               # (b, 1)
     term = torch.min(ratio * a, ratio.clamp(1 - eps_low, 1 + eps_high) * a)       # (b, L)
     # J_SC (§5.1) = sum_i sum_t f(D_it) min(rho A_i, clip(rho) A_i) / (B G |o_i|)
-    per_token = weights * term * norm[:, None]                                     # (b, L)
+    per_token = weights * term * loss_scale[:, None]                               # (b, L)
     clipped = ((ratio < 1 - eps_low) | (ratio > 1 + eps_high)) & mask
     return -per_token.sum(), int(clipped.sum())
 
 
 def micro_batch_loss(model, cfg, ro, mb, old_logp=None):
-    """The loss of the micro-batch mb (a Batch of b rows), -J_SC's share, and its clipped-token
-    count. update's loss_of: a fork that changes the loss replaces this function."""
+    """The loss seam, SC-GRPO's: the micro-batch mb's (a Batch of b rows) share of -J_SC, and its
+    clipped-token count. old_logp (b, L): the log-probs before the step's first update, or None.
+    pack cut the answers to the micro-batch's longest (L'); the weights are the rollout's L wide."""
     logp, mask = answer_logprobs(model, cfg, ro, mb)                               # (b, L)
     old_logp = logp.detach() if old_logp is None else old_logp  # mu = 1: rho = 1, the clip idle
-    # pack cut mask to this micro-batch's longest answer; the weights are the rollout's L wide
     return policy_loss(logp, old_logp, mb.adv.to(logp.device), mb.weights[:, :mask.shape[1]],
-                       mb.norm.to(logp.device), mask, cfg.epsilon, cfg.epsilon)
+                       mb.loss_scale.to(logp.device), mask, cfg.epsilon, cfg.epsilon)
 
-# One training step: sample -> reward -> advantages -> (SC-GRPO) teacher -> clipped update ---------
+# One training step: sample -> reward -> advantages -> teacher and weights -> clipped update -------
 
 def update(model, optimizer, cfg, ro, batch, loss_of=micro_batch_loss):
     """ppo_epochs AdamW steps on the loss, its gradient accumulated over micro-batches.
@@ -499,32 +500,29 @@ def update(model, optimizer, cfg, ro, batch, loss_of=micro_batch_loss):
     return log.metrics(tokens=int(ro.lengths.view(-1)[batch.row].sum())), stepped
 
 
-def train_step(model, optimizer, tok, cfg, batcher, rng, gen, eos_ids):
-    """One update: sample and verify -> Eq. (1), routes, references -> (SC-GRPO) D, f(D) and
-    Eq. (5) -> clipped update. -> (metrics, credit-page examples)"""
+def train_step(model, optimizer, tok, cfg, batcher, rng, gen, eos_ids, step_no,
+               route=route_groups, context=teacher_prompts, credit=sc_credit,
+               loss_of=micro_batch_loss):
+    """Training step step_no: sample and verify -> Eq. (1), routes, references -> teacher prompts
+    (context) -> weights, advantages (credit) -> clipped update (loss_of). -> (metrics, examples)"""
     clock = Phases(next(model.parameters()).device)  # seconds and CUDA memory per phase
     ro = sample_groups(model, tok, cfg, batcher.take(cfg.prompts_per_step), cfg.group_size,
-                       cfg.temperature, gen, eos_ids, keep_states=cfg.algo == "scgrpo")
+                       cfg.temperature, gen, eos_ids)
     clock.lap("sample")
     adv = group_advantages(ro.correct)                                             # (B, G)
-    routes = route_groups(ro.correct, cfg.algo)                                    # B routes
-    refs = [pick_references(ok, r, rng) for ok, r in zip(ro.correct.bool().tolist(), routes)]
-    batch = make_batch(ro, routes, adv, refs)                                      # M rows
-    batch, sc_stats = self_condition(model, cfg, ro, batch, teacher_prompts(tok, ro, batch))
-    # Eq. (5) in the solve-none groups, from each answer's mean f(D) over its window
-    batch = replace(batch, adv=solve_none_advantages(batch, window_means(batch), cfg.alpha_div))
+    group_routes = route(ro.correct)                                               # B routes
+    refs = [pick_references(ok, r, rng) for ok, r in zip(ro.correct.bool().tolist(), group_routes)]
+    batch = make_batch(ro, group_routes, adv, refs)                                # M rows
+    batch = replace(batch, context=context(tok, ro, batch))    # the teacher's prompts, Eq. (4)
+    # our reading: D is measured once a step, by the weights that sampled, not per PPO epoch
+    batch, credit_metrics = credit(model, cfg, ro, batch)      # f(D) and Eq. (5)
     clock.lap("teacher")
-    upd, stepped = update(model, optimizer, cfg, ro, batch)
+    upd, stepped = update(model, optimizer, cfg, ro, batch, loss_of)
     clock.lap("update")
-    eq5_only = set(batch.route) == {"solve_none"}  # Eq. (5) is the step's only gradient
-    metrics = step_metrics(ro, routes, batch, clock, **upd, **sc_stats, eq5_only=eq5_only,
-                           nonfinite=bool(batch.route) and not stepped)
-    return metrics, credit_examples(tok, ro, batch)
+    return (step_metrics(ro, group_routes, batch, clock, upd, credit_metrics, stepped),
+            credit_examples(tok, ro, batch, credit))
 
 # Evaluation: greedy accuracy, Avg@k and Pass@k ----------------------------------------------------
-
-EVAL_SEED_OFFSET = 7919  # evaluation samples from its own stream, seed + this (any fixed offset)
-
 
 def eval_groups(model, tok, problems, cfg, eos_ids, n, temperature, gen):
     """sample_groups in calls of at most a step's rows. -> texts, correct, lengths (Q n each)"""
@@ -540,11 +538,10 @@ def eval_groups(model, tok, problems, cfg, eos_ids, n, temperature, gen):
 
 @torch.no_grad()
 def evaluate(model, tok, problems, cfg, eos_ids):
-    """Greedy accuracy on `problems`, and Avg@k / Pass@k (k = cfg.eval_k) at the training
-    temperature, from its own generator (the training stream never moves). -> (metrics, per
-    question: greedy text, correct, length, extracted number; with k, its correct samples)"""
+    """Greedy accuracy on `problems`, and Avg@k / Pass@k (k = cfg.eval_k) at the training T, from
+    its own generator. -> (metrics, per question: greedy text, correct, length, answer, k hits)"""
     device, k = next(model.parameters()).device, cfg.eval_k
-    gen = torch.Generator(device).manual_seed(cfg.seed + EVAL_SEED_OFFSET)
+    gen = torch.Generator(device).manual_seed(cfg.seed + 7919)  # its own stream: any fixed offset
     texts, greedy, lengths = eval_groups(model, tok, problems, cfg, eos_ids, 1, 0.0, gen)
     per_question = dict(text=texts, correct=greedy, length=lengths,
                         answer=[extract_answer(t) for t in texts])
@@ -561,14 +558,15 @@ def evaluate(model, tok, problems, cfg, eos_ids):
 # The training loop --------------------------------------------------------------------------------
 
 def train(cfg, resume="", step=train_step):
-    """Train, evaluate and save. resume: a checkpoint folder, or ""; step: a fork's own step."""
+    """Train, evaluate and save. resume: a checkpoint folder or ""; step: train_step, its seams."""
     # One seed for everything. With one CPU thread (OMP_NUM_THREADS=1) a run repeats bit for bit;
     # with more, or on a GPU, reductions may split differently, and runs drift apart slowly.
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)  # the tiny model's initial weights come from this stream
     run = Run(cfg, resume)  # loads the data and the model (fp32 weights; resume: the checkpoint's)
     model, tok = run.model, run.tok
-    # AdamW on every weight at a constant learning rate (note 9), PyTorch's betas (0.9, 0.999)
+    # AdamW on every weight; our reading of what the paper leaves unsaid: a constant learning
+    # rate, PyTorch's betas (0.9, 0.999), no reference-model KL, the gradient norm clipped at 1.0
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     rng = random.Random(cfg.seed)                            # which answer is whose reference
     gen = torch.Generator(run.device).manual_seed(cfg.seed)  # the sampler's draws
@@ -576,24 +574,26 @@ def train(cfg, resume="", step=train_step):
     start = run.begin(optimizer, rng, gen, batcher)  # 1, or after resume the next step (restored)
     if start == 1:
         run.log_eval(0, *evaluate(model, tok, run.eval_set, cfg, run.eos_ids))
-    bar = tqdm(range(start, cfg.steps + 1), desc="train", initial=start - 1, total=cfg.steps,
-               disable=None)
-    for i in bar:
-        m, credit = step(model, optimizer, tok, cfg, batcher, rng, gen, run.eos_ids)
-        run.log_step(bar, {"step": i, **m}, credit)  # may stop: --max-bad-steps NaN steps
-        if i % cfg.eval_every == 0 or i == cfg.steps:
-            run.log_eval(i, *evaluate(model, tok, run.eval_set, cfg, run.eos_ids))
-        run.checkpoint(bar, i)  # every --save-every steps, at the end, and after a Ctrl-C
+    bar = tqdm(range(start, cfg.steps + 1), "train", cfg.steps, initial=start - 1, disable=None)
+    for step_no in bar:
+        m, credit = step(model, optimizer, tok, cfg, batcher, rng, gen, run.eos_ids, step_no)
+        run.log_step(bar, {"step": step_no, **m}, credit)  # may stop: --max-bad-steps NaN steps
+        if step_no % cfg.eval_every == 0 or step_no == cfg.steps:
+            run.log_eval(step_no, *evaluate(model, tok, run.eval_set, cfg, run.eos_ids))
+        run.checkpoint(bar, step_no)  # every --save-every steps, at the end, and after a Ctrl-C
     run.finish(bar)
 
 
-def main(argv=None, Config=Config, step=train_step):
-    """The command line. A fork passes its own Config (its flags) and step."""
+def main(argv=None, Config=Config, step=train_step, **seams):
+    """The command line. A fork passes its Config (its flags) and its seams (context=, credit=,
+    loss_of=, route=) for train_step, or its own step."""
     cfg, resume = parse_config(Config, PRESETS, argv)
-    if not cfg.eval_only:
-        return train(cfg, resume, step)
-    torch.manual_seed(cfg.seed)  # the tiny model's initial weights; no optimizer, no training
-    Run(cfg).save_eval(evaluate)  # evaluate() on the model and test set Run loads -> eval.json
+    if cfg.eval_only:
+        torch.manual_seed(cfg.seed)  # the tiny model's initial weights; no optimizer, no training
+        return Run(cfg).save_eval(evaluate)  # evaluate() on the model and test set -> eval.json
+    if cfg.algo == "grpo":  # --algo grpo: GRPO's routes draw no reference, so every weight is 1
+        seams = {"route": grpo_routes, **seams}
+    train(cfg, resume, partial(step, **seams))
 
 
 if __name__ == "__main__":

@@ -8,9 +8,9 @@ How it plugs in. TRL samples the answers and scores them with the reward functio
 the whole generation batch (every process's answers, gathered):
   1. Eq. (1) advantages and routes by n_c (scgrpo.group_advantages, route_groups), references
      drawn by a random stream that is the same on every process (scgrpo.make_batch);
-  2. the teacher pass (scgrpo.self_condition): the same model with a reference in its system
-     prompt re-scores each routed answer; D per token, f(D) with c over the batch's active
-     tokens, and the diversity advantage of Eq. (5) in solve-none groups;
+  2. the teacher pass and the weights (scgrpo.sc_credit): the same model with a reference in its
+     system prompt re-scores each routed answer; D per token, f(D) with c over the batch's
+     active tokens, and the diversity advantage of Eq. (5) in solve-none groups;
   3. TRL gets per-token advantages A_i * f(D_it), shape (B, T). Its clipped loss accepts them,
      and because f >= 0, min(rho A f, clip(rho) A f) = f * min(rho A, clip(rho) A): J_SC exactly,
      with TRL's loss code untouched.
@@ -189,8 +189,8 @@ class SCGRPOTrainer(GRPOTrainer):
 
     def rollout(self, inputs, out):
         """The whole generation batch (all processes) as a scgrpo.Rollout (no sampler states, so
-        self_condition re-scores the student in the teacher's pass), its summed rewards (B, G)
-        and which answers are usable (B, G)."""
+        the teacher's pass re-scores the student), its summed rewards (B, G) and which answers
+        are usable (B, G)."""
         def unpadded(ids, mask):
             return [i[m.bool()].tolist() for i, m in zip(ids, mask)]
         G, device = self.num_generations, out["completion_ids"].device
@@ -216,22 +216,21 @@ class SCGRPOTrainer(GRPOTrainer):
             return out
         ro, reward, usable = self.rollout(inputs, out)
         adv = S.group_advantages(reward)                                           # Eq. (1)
-        routes = S.route_groups(reward, "scgrpo")
+        group_routes = S.route_groups(reward)
         refs = [usable_references(c, route, self.sc_rng, ok) for c, route, ok in
-                zip(ro.correct.bool().tolist(), routes, usable.tolist())]
-        batch = S.make_batch(ro, routes, adv, refs)
+                zip(ro.correct.bool().tolist(), group_routes, usable.tolist())]
+        batch = S.make_batch(ro, group_routes, adv, refs)
         model = self.accelerator.unwrap_model(self.model)
         stats = {}
-        if bool((batch.ref >= 0).any()):
+        if bool((batch.ref_row >= 0).any()):
             training = model.training
             model.eval()  # under activation checkpointing HF drops the KV cache in train mode
             set_precision(model, self.args.bf16, weights_copy=False)  # TRL's bf16: autocast
             tok, G = self.processing_class, ro.G
             prompts = {j: self.encode_teacher(tok, ro.problems[j // G]["question"], ro.texts[j])
-                       for j in batch.ref.unique().tolist() if j >= 0}  # Eq. (4), TRL's chat
-            batch, stats = S.self_condition(model, self.sc_cfg, ro, batch, prompts)
-            batch = replace(batch, adv=S.solve_none_advantages(batch, S.window_means(batch),
-                                                               self.sc_cfg.alpha_div))  # Eq. (5)
+                       for j in batch.ref_row.unique().tolist() if j >= 0}  # Eq. (4), TRL's chat
+            batch = replace(batch, context=[prompts.get(j) for j in batch.ref_row.tolist()])
+            batch, stats = S.sc_credit(model, self.sc_cfg, ro, batch)  # D, f(D), Eq. (5)
             model.train(training)
         per_token = torch.zeros(ro.ids.shape, device=ro.ids.device)               # (N, L)
         per_token[batch.row] = batch.adv[:, None].to(per_token.device) * batch.weights
@@ -242,7 +241,7 @@ class SCGRPOTrainer(GRPOTrainer):
         out["advantages"] = per_token[start:start + B, :C]
         metrics = self._metrics["train"]
         for route in ("partial", "solve_none", "fallback", "skip"):  # sc/groups_none: solve-none
-            metrics[f"sc/groups_{route.removeprefix('solve_')}"].append(routes.count(route))
+            metrics[f"sc/groups_{route.removeprefix('solve_')}"].append(group_routes.count(route))
         for key, value in stats.items():
             metrics[f"sc/{key}"].append(value)
         return out

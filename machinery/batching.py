@@ -24,31 +24,41 @@ def decode(tok, comp_ids, resp_mask):
                             skip_special_tokens=True)
 
 
-def distinct(keys, device):
-    """-> (the distinct keys in first-seen order, the index of each key among them (n,))."""
-    uniq = list(dict.fromkeys(keys))
-    return uniq, torch.tensor([uniq.index(k) for k in keys], device=device)
+def distinct(items, device, key=None):
+    """-> (the distinct items in first-seen order, the index of each item among them (n,)). key:
+    what makes two items the same (default: their value; id: the same object)."""
+    key = key or (lambda x: x)
+    first = {}
+    for x in items:
+        first.setdefault(key(x), x)
+    keys = list(first)
+    return list(first.values()), torch.tensor([keys.index(key(x)) for x in items], device=device)
 
 
 def join(parts):
     """One batch from several of the same dataclass (DAPO's refill rounds): list fields
     concatenated, tensor fields right-padded along dim 1 to the longest and stacked along dim 0
-    (so answers (N, L) line up; padding is 0 / False)."""
+    (so answers (N, L) line up; padding is 0 / False), tuples of tensors joined entry by entry."""
     if len(parts) == 1:
         return parts[0]
-    joined = {}
-    for f in dataclasses.fields(parts[0]):
-        values = [getattr(p, f.name) for p in parts]
-        if isinstance(values[0], list):
-            joined[f.name] = sum(values, [])
-        elif isinstance(values[0], torch.Tensor):
-            n = max(v.shape[1] for v in values)
-            joined[f.name] = torch.cat([torch.nn.functional.pad(v, (0, n - v.shape[1]))
-                                        if v.dim() == 2 else v for v in values])
-        else:
-            assert all(v is None for v in values), f"join: {f.name} is set in some parts only"
-            joined[f.name] = None
-    return type(parts[0])(**joined)
+    return type(parts[0])(**{f.name: join_values([getattr(p, f.name) for p in parts])
+                             for f in dataclasses.fields(parts[0])})
+
+
+def join_values(values):
+    """join's rule for one field's values, one per part."""
+    if isinstance(values[0], list):
+        return sum(values, [])
+    if isinstance(values[0], tuple):
+        return tuple(join_values(list(v)) for v in zip(*values))
+    if isinstance(values[0], torch.Tensor):
+        if values[0].dim() < 2:
+            return torch.cat(values)
+        n = max(v.shape[1] for v in values)
+        pad = [(0, 0) * (v.dim() - 2) + (0, n - v.shape[1]) for v in values]
+        return torch.cat([torch.nn.functional.pad(v, p) for v, p in zip(values, pad)])
+    assert all(v is None for v in values), "join: a field is set in some parts only"
+    return None
 
 
 def select_groups(ro, groups):
@@ -61,12 +71,12 @@ def select_groups(ro, groups):
                        for f in dataclasses.fields(ro) for v in [getattr(ro, f.name)]})
 
 
-def pack(ro, rows, n_tokens=None):
+def pack(ro, rows, active=None):
     """Answers `rows` (b,) of a rollout, cut to the longest: ids, mask (b, L) with padding 0.
-    With n_tokens (b,), only the first n_tokens of each answer."""
+    With active (b, L'), only each answer's active tokens (and cut to the longest of those)."""
     mask = ro.mask[rows]                                                            # (b, L)
-    if n_tokens is not None:
-        mask &= torch.arange(mask.shape[1], device=mask.device) < n_tokens.to(mask.device)[:, None]
+    if active is not None:
+        mask &= active.to(mask.device)
     L = max(1, int(mask.sum(1).max()))
     mask = mask[:, :L]
     return ro.ids[rows, :L].masked_fill(~mask, 0), mask
@@ -80,9 +90,12 @@ def take_rows(batch, k):
 
 
 def pick(v, idx):
-    """Entries idx (a list of ints) of a list or of a tensor along dim 0; None stays None."""
+    """Entries idx (a list of ints) of a list or of a tensor along dim 0 (of a tuple's each);
+    None stays None."""
     if v is None or isinstance(v, list):
         return v if v is None else [v[i] for i in idx]
+    if isinstance(v, tuple):
+        return tuple(pick(x, idx) for x in v)
     return v[torch.tensor(idx, dtype=torch.long, device=v.device)]
 
 

@@ -17,6 +17,13 @@ from machinery.models import gguf_path
 from machinery.runs import find_checkpoint, program_of
 
 
+def setting(default, help, choices=None, rule=None):
+    """A Config field: its default, its --help text (unit, why this default), allowed values, and
+    a rule (test(value, cfg), the rule in words) that check_config checks before a run."""
+    metadata = {"help": help, "choices": choices, "rule": rule}
+    return dataclasses.field(default=default, metadata=metadata)
+
+
 class ArgParser(argparse.ArgumentParser):
     def error(self, message):  # one line, exit 2, instead of usage + error
         die(f"{message} (see --help)")

@@ -10,13 +10,14 @@ import html
 F_OF_D = dict(name="f(D)", lo=0.0, hi=1.0)  # SC-GRPO's weight, in [0, 1); D on hover
 
 
-def credit_examples(tok, ro, batch, rows=None, signal=F_OF_D, context=None):
-    """The first answer of each of up to 4 groups among `rows` (default: those a teacher scored),
-    for the credit page, shaded by batch.weights under `signal`'s name and range; context: what the
-    teacher saw for each row (default: its reference answer's text)."""
-    rows = batch.scored.tolist() if rows is None else rows
+def credit_examples(tok, ro, batch, credit=None):
+    """The first answer of each of up to 4 groups among the rows a teacher scored, for the credit
+    page: its tokens shaded by batch.weights, and the teacher's prompt beside them. The credit seam
+    that made the weights may name them: its attribute `signal` (a dict like F_OF_D; default f(D),
+    with D on hover)."""
+    signal = getattr(credit, "signal", F_OF_D)
     first = {}
-    for m in rows:
+    for m in batch.scored.tolist():
         if len(first) < 4:
             first.setdefault(int(batch.question[m]), m)
     out = []
@@ -26,7 +27,7 @@ def credit_examples(tok, ro, batch, rows=None, signal=F_OF_D, context=None):
         out.append(dict(question=ro.problems[b]["question"], route=batch.route[m],
                         adv=float(batch.adv[m]), reward=float(ro.correct.view(-1)[n]),
                         tokens=[tok.decode([t]) for t in ro.ids[n, :L].tolist()],
-                        context=ro.texts[int(batch.ref[m])] if context is None else context[m],
+                        context=tok.decode(batch.context[m], skip_special_tokens=True),
                         signals=[dict(signal, values=batch.weights[m, :L].tolist(), **hover)]))
     return out
 
@@ -35,8 +36,9 @@ def shade(value, lo, hi, center=None):
     """A token's background: orange by (value - lo) / (hi - lo); with a center, blue below it and
     orange above, by the distance to it over the range's half on that side."""
     if center is None:
-        return f"rgba(230,90,20,{min(max((value - lo) / (hi - lo), 0.0), 1.0):.3f})"
-    side = (value - center) / ((hi - center) if value >= center else (center - lo))
+        return f"rgba(230,90,20,{min(max((value - lo) / ((hi - lo) or 1.0), 0.0), 1.0):.3f})"
+    # a range of width 0 (RLSD's weight once its lambda reaches 0: every weight 1) shades nothing
+    side = (value - center) / (((hi - center) if value >= center else (center - lo)) or 1.0)
     rgb = "230,90,20" if value >= center else "40,110,220"
     return f"rgba({rgb},{min(abs(side), 1.0):.3f})"
 

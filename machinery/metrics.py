@@ -19,11 +19,11 @@ def peak_memory_gb(device):
 
 
 def kl_metrics(kl, active, weights, c):
-    """scgrpo.self_condition's numbers for metrics.jsonl: the P50, P75 and P95 of D and the mean
+    """scgrpo.weigh_tokens's numbers for metrics.jsonl: the P50, P75 and P95 of D and the mean
     f(D) over the active tokens whose D is finite, c, and how many were not (with a warning)."""
     nonfinite = active & ~torch.isfinite(kl)
     if nonfinite.any():
-        tqdm.write(f"warning: {int(nonfinite.sum())} non-finite KL values get weight 0 (note 11)")
+        tqdm.write(f"warning: {int(nonfinite.sum())} non-finite KL values get weight 0")
     active = active & ~nonfinite
     q = torch.tensor([0.5, 0.75, 0.95], device=kl.device)
     p50, p75, p95 = torch.quantile(kl[active].float(), q).tolist()
@@ -71,16 +71,22 @@ class UpdateLog:
                     update_size=relative_change(self.model, self.before))
 
 
-def step_metrics(sampled, routes, batch, clock, **more):
+def step_metrics(sampled, group_routes, batch, clock, update, credit, stepped):
     """A training step's line of metrics.jsonl (docs/metrics.md): reward and length of every answer
     sampled (a Rollout), the groups of each route, the answers updated (a Batch), the update's
-    and the teacher's numbers (more), the seconds and CUDA memory of each phase."""
+    numbers (scgrpo.update's dict) and the credit seam's, whether Eq. (5) was the step's only
+    gradient (every group that trained solve-none), whether the update was skipped as non-finite,
+    and the seconds and CUDA memory of each phase."""
+    trained = {r for r in group_routes if r != "skip"}
     return dict(reward_mean=float(sampled.correct.mean()),
                 len_mean=float(sampled.lengths.float().mean()),
-                groups_skipped=routes.count("skip"), groups_partial=routes.count("partial"),
-                groups_none=routes.count("solve_none"), groups_fallback=routes.count("fallback"),
-                answers_updated=len(batch.route),
-                **{k: v for k, v in more.items() if v is not None}, **clock.seconds, **clock.memory)
+                groups_skipped=group_routes.count("skip"),
+                groups_partial=group_routes.count("partial"),
+                groups_none=group_routes.count("solve_none"),
+                groups_fallback=group_routes.count("fallback"), answers_updated=len(batch.route),
+                **{k: v for k, v in {**update, **credit}.items() if v is not None},
+                eq5_only=trained == {"solve_none"}, nonfinite=bool(batch.route) and not stepped,
+                **clock.seconds, **clock.memory)
 
 
 class Phases:

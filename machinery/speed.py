@@ -1,28 +1,18 @@
 """
 The fast paths of scgrpo.py. Each function here computes what plain PyTorch lines in scgrpo.py
-compute, in less time or memory; the plain lines are quoted in its docstring, scgrpo.py runs
-them unless --fast is on, and test_scgrpo.py holds the two equal. Nothing here changes the method.
-scgrpo.py calls three of them, each in place of the plain lines of its namesake there:
-
-  sample                 KV-cache sampler with inverse-CDF draws (plainly: the whole sequence
-                         re-run each step, torch.multinomial); in fp32 it keeps the student's
-                         states (hidden state, log-normaliser) at every answer position
-  answer_logprobs        the update's log-probs (plainly: log_softmax(full logits).gather)
-  teacher_kl             the teacher's D (plainly: two full forwards and F.kl_div), whose
-                         student side comes from the sampler's states when it kept them
-
-built from:
-
-  Preallocated           the sampler's KV cache: each token written in place into room kept for
-                         the whole answer (HF's DynamicCache copies the whole cache each step)
-  shared_prefix_hidden   the beginning all prompts share is prefilled once, each distinct prompt
-                         once, then the answers, over one KV cache (the update and the teacher)
-  completion_hidden      one forward per answer (the update under activation checkpointing)
-  head_logprobs          log_softmax(h @ W.T / T).gather(...) one vocabulary block at a time,
-                         with a hand-written backward: no (tokens, V) matrix
-  head_kl, head_lse      the teacher's KL and the log-normaliser, likewise in blocks
-  mm                     a product with the LM head in the weights' precision (bf16: each
-                         logit rounded to bf16, as the plain lines' bf16 head rounds it)
+compute, in less time or memory; its docstring quotes them, scgrpo.py runs them unless --fast is
+on, and tests/test_fast_path.py holds the two equal. Nothing here changes the method. scgrpo.py
+calls three, each in place of the plain lines of its namesake there:
+  sample            a KV cache and inverse-CDF draws (plainly: the whole sequence re-run each
+                    step, multinomial); in fp32 it keeps the student's states for the teacher
+  answer_logprobs   the update's log-probs (plainly: log_softmax(full logits).gather)
+  teacher_kl        D and both sides' log-probs (plainly: two full forwards, F.kl_div), the
+                    student's side from the sampler's states when it kept them
+built from: Preallocated (the sampler's KV cache, each token written in place), shared_prefix_
+hidden (the prompts' common beginning prefilled once, each distinct prompt once, then the
+answers), completion_hidden (one forward per answer), head_logprobs, head_kl and head_lse (the LM
+head one vocabulary block at a time: no (tokens, V) matrix), mm (a product with the head in the
+weights' precision: in bf16 each logit rounded as the plain lines' bf16 head rounds it).
 """
 import math
 import os
@@ -52,15 +42,18 @@ def sample_tokens(logits, temperature, gen):
 
 
 @torch.no_grad()
-def sample(model, prompts, n, max_new, temperature, eos_ids, pad_id, gen, keep_states=False):
+def sample(model, prompts, n, max_new, temperature, eos_ids, pad_id, gen, keep_states=None):
     """n answers per prompt. Each prompt is prefilled once and its KV cache copied n times;
     rows that emitted EOS leave the batch. -> comp_ids (B*n, L) padded with pad_id, resp_mask
     (B*n, L) True up to and including the first EOS (never inferred from pad_id, which may
-    equal EOS), and if keep_states the student's state at every answer position for the
-    teacher's KL: final hidden state (B*n, L, H) and log-normaliser (B*n, L); else None, None.
+    equal EOS), and if keep_states the student's states for the teacher's KL: (final hidden
+    state (B*n, L, H), log-normaliser (B*n, L)), else None. keep_states None: kept when sampling
+    (T > 0) in fp32 (in bf16, decoding and a full forward round apart: the teacher re-scores).
     The distribution is exactly softmax(logits / T), the one the loss scores: the model's
     generation_config (top-k, top-p, repetition penalty) is never read."""
-    device = next(model.parameters()).device
+    device, fp32 = next(model.parameters()).device, next(model.parameters()).dtype == torch.float32
+    if keep_states is None:
+        keep_states = temperature > 0 and fp32 and getattr(model, "autocast_dtype", None) is None
     base, head = model.base_model, model.get_output_embeddings()
     out, attn, pos = prefill(model, prompts, pad_id)                               # (B, P)
     cache = out.cache
@@ -99,8 +92,8 @@ def sample(model, prompts, n, max_new, temperature, eos_ids, pad_id, gen, keep_s
         h = out.last_hidden_state[:, -1].float()
     L = max(1, int(resp_mask.sum(1).max()))
     if not keep_states:
-        return comp_ids[:, :L], resp_mask[:, :L], None, None
-    return comp_ids[:, :L], resp_mask[:, :L], hidden[:, :L], lse[:, :L]
+        return comp_ids[:, :L], resp_mask[:, :L], None
+    return comp_ids[:, :L], resp_mask[:, :L], (hidden[:, :L], lse[:, :L])
 
 
 def prefill(model, prompts, pad_id):
@@ -188,6 +181,15 @@ def mm(a, b, dtype=None):
     return (a.to(low) @ b.to(low)).to(a.dtype)
 
 
+def target_logits(a, w, dtype=None):
+    """a_k . w_k for each row k (N,): one logit per row as mm computes it, in a's precision, or with
+    dtype (or bf16 w) from bf16 inputs, the sum rounded to bf16."""
+    low = dtype or (w.dtype if w.dtype == torch.bfloat16 else None)
+    if low is None:
+        return (a * w.to(a.dtype)).sum(-1)
+    return (a.to(low).to(a.dtype) * w.to(low).to(a.dtype)).sum(-1).to(low).to(a.dtype)
+
+
 def completion_hidden(model, prompts, comp_ids, resp_mask):
     """The final hidden states that predict each answer token, one row per answer with its
     own prompt: model.base_model(prompt + answer) -> (n_active, H), in row order. Plainly,
@@ -273,11 +275,7 @@ class HeadLogprobs(torch.autograd.Function):
         lse = head_lse(h, weight, temperature, block, dtype)                       # (N,)
         ctx.save_for_backward(h, weight, targets, lse)
         ctx.temperature, ctx.block, ctx.dtype = temperature, block, dtype
-        a, w_t = h / temperature, weight[targets]                                  # (N, H)
-        if dtype:  # the target's logit as mm computes it: bf16 inputs, rounded to bf16
-            a, w_t = a.to(dtype).to(h.dtype), w_t.to(dtype).to(h.dtype)
-        z_t = (a * w_t).sum(-1)                                                    # (N,)
-        return (z_t.to(dtype).to(h.dtype) if dtype else z_t) - lse
+        return target_logits(h / temperature, weight[targets], dtype) - lse       # (N,)
 
     @staticmethod
     def backward(ctx, g):
@@ -314,7 +312,7 @@ def head_logprobs(head, h, targets, temperature, block=None, dtype=None):
 
 
 @torch.no_grad()
-def head_kl(h_t, h_s, lse_s, head, temperature, block=None):
+def head_kl(h_t, h_s, lse_s, head, temperature, block=None, normalisers=False):
     """D = KL(softmax(z_t) || softmax(z_s)) per row, z = h @ W.T / T; plainly
         (softmax(z_t) * (log_softmax(z_t) - log_softmax(z_s))).sum(-1),
     here over the vocabulary in blocks with no (n, V) matrix. h_t, h_s (n, H); lse_s (n,) =
@@ -325,12 +323,14 @@ def head_kl(h_t, h_s, lse_s, head, temperature, block=None):
     carried along the blocks as an online softmax (fold_block_). lse_s None (the student
     re-scored, as under bf16): the first line, both sides' logits in each block, both
     normalisers from them; with bf16 weights each logit is rounded to bf16 (mm), and the first
-    line stays the KL of the two rounded distributions, where the second would not."""
+    line stays the KL of the two rounded distributions, where the second would not.
+    normalisers: -> (D, lse_t, lse_s), the log-normalisers of both sides too."""
     n, H = h_t.shape
     a = h_t.float() / temperature
     block = block or vocab_block(n, a.device)
     if lse_s is None:
-        return rounded_head_kl(a, h_s.float() / temperature, head.weight, block)
+        d, lse_t, lse_s = rounded_head_kl(a, h_s.float() / temperature, head.weight, block)
+        return (d, lse_t, lse_s) if normalisers else d
     m, s = a.new_full((n,), -math.inf), a.new_zeros(n)                           # max, sum e
     w_sum = a.new_zeros(n, H)                                        # sum_v exp(z_t(v) - m) W_v
     for j in range(0, head.weight.shape[0], block):
@@ -340,11 +340,13 @@ def head_kl(h_t, h_s, lse_s, head, temperature, block=None):
         w_sum = w_sum * decay[:, None] + e @ w
     lse_t = m + s.log()
     dot = ((w_sum / s[:, None]) * (h_t.float() - h_s.float())).sum(-1) / temperature
-    return (dot + (lse_s - lse_t)).clamp_min_(0.0)  # clamp rounding below 0
+    d = (dot + (lse_s - lse_t)).clamp_min_(0.0)  # clamp rounding below 0
+    return (d, lse_t, lse_s) if normalisers else d
 
 
 def rounded_head_kl(a_t, a_s, weight, block):
-    """head_kl's first line, in blocks: a_t, a_s = h_t / T, h_s / T (n, H) fp32 -> D (n,)."""
+    """head_kl's first line, in blocks: a_t, a_s = h_t / T, h_s / T (n, H) fp32 -> D, lse_t,
+    lse_s (n,) each."""
     m_t, s_t = a_t.new_full((len(a_t),), -math.inf), a_t.new_zeros(len(a_t))
     m_s, s_s, acc = m_t.clone(), s_t.clone(), s_t.clone()  # acc: sum_v e_t(v) (z_t(v) - z_s(v))
     for j in range(0, weight.shape[0], block):
@@ -354,8 +356,8 @@ def rounded_head_kl(a_t, a_s, weight, block):
         m_t, s_t, decay = fold_block_(m_t, s_t, z_t)                               # z_t: e_t
         acc = acc * decay + (z_t * diff).sum(-1)
         m_s, s_s, _ = fold_block_(m_s, s_s, z_s)
-    return (acc / s_t - (m_t + s_t.log()) + (m_s + s_s.log())).clamp_min_(0.0)
-
+    lse_t, lse_s = m_t + s_t.log(), m_s + s_s.log()
+    return (acc / s_t - lse_t + lse_s).clamp_min_(0.0), lse_t, lse_s
 
 
 def answer_logprobs(model, prompts, groups, comp_ids, resp_mask, temperature, checkpointing):
@@ -377,18 +379,22 @@ def answer_logprobs(model, prompts, groups, comp_ids, resp_mask, temperature, ch
 @torch.no_grad()
 def teacher_kl(model, ro, rows, teacher_prompts, prompt_of, comp_ids, resp_mask, temperature):
     """scgrpo.teacher_kl's plain lines (a student and a teacher forward, F.kl_div over the
-    vocabulary), with one prefill per distinct prompt and no (n, V) matrix. In fp32 the
-    student's side comes from the states the sampler kept (ro.hidden, ro.lse: the same weights
-    computed them, scgrpo.py's note 2); under bf16 it is a full forward of the student's prompt
-    and answer, as the teacher gets. Arguments as scgrpo.teacher_kl's. -> D (n,)"""
+    vocabulary, each sampled token's log-probability on both sides), with one prefill per
+    distinct prompt and no (n, V) matrix. In fp32 the student's side comes from the states the
+    sampler kept (ro.fast_states: the same weights computed them, D once a step); under bf16 it is
+    a full forward of the student's prompt and answer, as the teacher gets. Arguments as
+    scgrpo.teacher_kl's. -> D, log p_teacher(o_t), log p_student(o_t), each (n,)"""
     G, head = ro.correct.shape[1], model.get_output_embeddings()
-    if ro.hidden is not None:  # the student's states (n, H) and log-normalisers (n,)
-        L = resp_mask.shape[1]
-        h_s, lse_s = ro.hidden[rows, :L][resp_mask], ro.lse[rows, :L][resp_mask]
+    if ro.fast_states is not None:  # the student's states (n, H) and log-normalisers (n,)
+        L, (hidden, lse) = resp_mask.shape[1], ro.fast_states
+        h_s, lse_s = hidden[rows, :L][resp_mask], lse[rows, :L][resp_mask]
     else:
         groups, of = distinct((rows // G).tolist(), comp_ids.device)
         h_s = shared_prefix_hidden(model, [ro.prompts[g] for g in groups], of, comp_ids,
                                    resp_mask)
         lse_s = None  # head_kl takes it from the same (under bf16, rounded) logits as D
     h_t = shared_prefix_hidden(model, teacher_prompts, prompt_of, comp_ids, resp_mask)  # (n, H)
-    return head_kl(h_t, h_s, lse_s, head, temperature)
+    d, lse_t, lse_s = head_kl(h_t, h_s, lse_s, head, temperature, normalisers=True)
+    w = head.weight[comp_ids[resp_mask]]  # log p(o_t) = z(o_t) - log sum_v exp z(v), both sides
+    z_t, z_s = (target_logits(h.float() / temperature, w) for h in (h_t, h_s))
+    return d, z_t - lse_t, z_s - lse_s

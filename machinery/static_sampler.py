@@ -83,5 +83,5 @@ def sample_static(model, prompts, n, max_new, temperature, eos_ids, pad_id, gen,
         h = step(model, cache, tok.masked_fill(done, pad_id), attn, pos)
     L = max(1, int(resp_mask.sum(1).max()))
     if not keep_states:
-        return comp_ids[:, :L], resp_mask[:, :L], None, None
-    return comp_ids[:, :L], resp_mask[:, :L], hidden[:, :L], lse[:, :L]
+        return comp_ids[:, :L], resp_mask[:, :L], None
+    return comp_ids[:, :L], resp_mask[:, :L], (hidden[:, :L], lse[:, :L])

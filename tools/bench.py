@@ -26,6 +26,7 @@ offline. Without --data the questions are the built-in addition task's.
 import argparse
 import atexit
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -100,7 +101,13 @@ def run_ours(args, impl):
     each phase handled."""
     S.verify = coin_reward  # the same reward as TRL's below
     algo, _, dtype = impl.partition("@")
-    Config, train_step = (dapo.Config, dapo.dapo_step) if algo == "dapo" else (S.Config, S.train_step)
+    taught = []  # the teacher prompts each step builds, for its token counts
+
+    def counted(*a):  # scgrpo.teacher_prompts, keeping what it returns
+        return taught.append(S.teacher_prompts(*a)) or taught[-1]
+    route = dict(route=S.grpo_routes) if algo == "grpo" else {}  # as scgrpo.main does
+    Config, train_step = ((dapo.Config, dapo.dapo_step) if algo == "dapo" else
+                          (S.Config, functools.partial(S.train_step, context=counted, **route)))
     cfg = Config(model=args.model, task="gsm8k" if args.data else "addition", data=args.data or "",
                  algo=algo, prompts_per_step=args.prompts_per_step, fast=not args.plain,
                  group_size=args.group_size, max_new_tokens=args.max_new_tokens, micro_batch=args.micro_batch,
@@ -114,15 +121,14 @@ def run_ours(args, impl):
         model.activation_checkpointing_enable({"use_reentrant": False})
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     batcher, rng, gen = tasks.Batcher(train_rows, 0), random.Random(0), torch.Generator(device).manual_seed(0)
-    sampled, taught, real_sample_groups, real_teacher_prompts = [], [], S.sample_groups, S.teacher_prompts
+    sampled, real_sample_groups = [], S.sample_groups
     S.sample_groups = lambda *a, **k: sampled.append(real_sample_groups(*a, **k)) or sampled[-1]  # token counts
-    S.teacher_prompts = lambda *a: taught.append(real_teacher_prompts(*a)) or taught[-1]  # and the teacher's
     rows = []
     for step in range(args.steps + 1):
         sampled.clear()
         taught.clear()
         t0 = time.time()
-        m, _ = train_step(model, opt, tok, cfg, batcher, rng, gen, models.stop_ids(model, tok))
+        m, _ = train_step(model, opt, tok, cfg, batcher, rng, gen, models.stop_ids(model, tok), step + 1)
         if device.type == "cuda":
             torch.cuda.synchronize()
         if step > 0:  # step 0 is the warm-up
@@ -140,15 +146,20 @@ def run_ours(args, impl):
 
 def step_tokens(rollouts, teacher_prompts):
     """What one step had to compute, in tokens, from what it sampled (Rollouts) and the teacher
-    prompts it built (dicts {answer: prompt}): its prompts (each prefilled once), the answers'
+    prompts it built (each answer's, None for none): its prompts (each prefilled once), the answers'
     tokens, the sampler's decoding steps (each reads every weight once), and the teacher's distinct
     prompts (their common beginning once, prefix_tokens). A bf16 run re-scores the student too
     (flop_floors)."""
     return dict(prompts=sum(len(p) for ro in rollouts for p in ro.prompts),
                 answers=sum(int(ro.mask.sum()) for ro in rollouts),
                 decode_steps=sum(int(ro.mask.sum(1).max()) for ro in rollouts),
-                teacher_prompts=sum(prefix_tokens(t.values()) for t in teacher_prompts),
-                rescored=all(ro.hidden is None for ro in rollouts))
+                teacher_prompts=sum(prefix_tokens(distinct_prompts(t)) for t in teacher_prompts),
+                rescored=all(ro.fast_states is None for ro in rollouts))
+
+
+def distinct_prompts(prompts):
+    """The distinct prompt objects of a step's teacher prompts (one per reference), Nones left out."""
+    return list({id(p): p for p in prompts if p is not None}.values())
 
 
 def flops_per_token(c):
@@ -259,13 +270,13 @@ def partial_batch(ro):
 
 
 def partial_teacher_pass(model, tok, cfg, ro, own_prompt=False):
-    """scgrpo.self_condition on partial_batch(ro). own_prompt: the teacher gets the student's own
+    """scgrpo.sc_credit on partial_batch(ro). own_prompt: the teacher gets the student's own
     prompt, so D measures only the rounding between the two passes (the KL floor). -> its metrics"""
     batch = partial_batch(ro)
     prompts = S.teacher_prompts(tok, ro, batch)
     if own_prompt:
-        prompts = {j: ro.prompts[j // ro.G] for j in prompts}
-    return S.self_condition(model, cfg, ro, batch, prompts)[1]
+        prompts = [ro.prompts[b] for b in batch.question.tolist()]
+    return S.sc_credit(model, cfg, ro, dataclasses.replace(batch, context=prompts))[1]
 
 
 def gpu_check(args):
@@ -295,8 +306,8 @@ def gpu_check(args):
             try:
                 with sdpa_kernel(backend) if backend is not None else models.nullcontext():
                     prompts = [tok(r["question"] * k)["input_ids"] for k, r in zip((1, 6, 2), rows)]
-                    comp, mask, h, lse = speed.sample(model, prompts, 2, 8, 1.0, [0], 0,
-                                                  torch.Generator(device).manual_seed(0), keep_states=True)
+                    comp, mask, (h, lse) = speed.sample(model, prompts, 2, 8, 1.0, [0], 0,
+                                                        torch.Generator(device).manual_seed(0), keep_states=True)
                     with torch.no_grad():
                         h_full = speed.completion_hidden(model, [p for p in prompts for _ in (0, 1)], comp, mask)
                     finite = bool(torch.isfinite(h).all() and torch.isfinite(lse[mask]).all()
@@ -304,7 +315,7 @@ def gpu_check(args):
                     report.append((f"padding, {label}: states finite", str(finite), finite))
                     cfg = S.Config(algo="scgrpo", group_size=4, max_new_tokens=16, micro_batch=8)
                     ro = S.sample_groups(model, tok, cfg, rows[:4], 4, 1.0, torch.Generator(device).manual_seed(0),
-                                         [0], keep_states=True)
+                                         [0])
                     ro.correct = torch.tensor([[1.0, 1.0, 0.0, 0.0]] * 4)
                     stats = partial_teacher_pass(model, tok, cfg, ro, own_prompt=True)
                     ok = stats["kl_p95"] < 1e-3 and stats["kl_nonfinite"] == 0
@@ -319,7 +330,7 @@ def gpu_check(args):
     S.verify = coin_reward
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     m, _ = S.train_step(model, opt, tok, cfg, tasks.Batcher(rows, 0), random.Random(0),
-                        torch.Generator(device).manual_seed(0), [0])
+                        torch.Generator(device).manual_seed(0), [0], 1)
     tokens = m["len_mean"] * cfg.prompts_per_step * cfg.group_size
     report.append(("one hub-preset step: finite loss", f"{m['loss']:.3g} in {m['t_sample'] + m['t_teacher'] + m['t_update']:.1f} s",
                    math.isfinite(m["loss"])))
@@ -342,7 +353,7 @@ def gpu_check(args):
             sampler(copy, prompt, 64, 4, 1.0, [], 0, torch.Generator(device).manual_seed(0))  # warm-up
             if device.type == "cuda":
                 torch.cuda.synchronize()
-            (ids, _, _, _), seconds = timed(sampler, copy, prompt, 64, cap, 1.0, [], 0,
+            (ids, _, _), seconds = timed(sampler, copy, prompt, 64, cap, 1.0, [], 0,
                                             torch.Generator(device).manual_seed(0))
             got[name] = ids
             report.append((f"sampling, {name}, 64 rows x {cap} tokens: tokens/s",
@@ -373,16 +384,16 @@ def partial_rollout(args, model, tok, cfg, keep_states):
     0.8), with 3 of each group's answers taken as correct: the batch rescore_cost and
     shared_kv_cost time. keep_states: the sampler's hidden states and normalisers kept."""
     rows, prompts = first_questions(args, tok)
-    ids, mask, h, lse = speed.sample(models.no_grad_model(model), prompts, cfg.group_size, cfg.max_new_tokens, 0.8,
-                                     models.stop_ids(model, tok), tok.pad_token_id or 0,
+    ids, mask, states = speed.sample(models.no_grad_model(model), prompts, cfg.group_size, cfg.max_new_tokens,
+                                     0.8, models.stop_ids(model, tok), tok.pad_token_id or 0,
                                      torch.Generator().manual_seed(0), keep_states=keep_states)
     reward = torch.tensor([[1.0] * 3 + [0.0] * (cfg.group_size - 3)] * len(rows))
-    return S.Rollout(rows, prompts, ids, mask, batching.decode(tok, ids, mask), reward, h, lse)
+    return S.Rollout(rows, prompts, ids, mask, batching.decode(tok, ids, mask), reward, states)
 
 
 def rescore_cost(args):
     """Under --dtype bf16 the teacher pass re-scores the student instead of reading the
-    sampler's states (scgrpo.py, note 2). The teacher phase both ways on one batch, on the path a
+    sampler's states (speed.sample keeps none in bf16). The teacher phase both ways on one batch, on the path a
     --dtype bf16 run takes (the bf16 weight copy; the fast path unless --plain): 4 questions x 8
     answers, 3 of them taken as correct (partial-solve groups), the median of 3 timings."""
     model, tok = models.load_model(args.model, 0)
@@ -391,7 +402,7 @@ def rescore_cost(args):
     cfg = S.Config(algo="scgrpo", group_size=args.group_size, max_new_tokens=args.max_new_tokens,
                    temperature=0.8, micro_batch=args.micro_batch, fast=not args.plain)
     ro = partial_rollout(args, model, tok, cfg, keep_states=True)
-    rollouts = {"sampler states": ro, "re-scored": dataclasses.replace(ro, hidden=None, lse=None)}
+    rollouts = {"sampler states": ro, "re-scored": dataclasses.replace(ro, fast_states=None)}
     times = {k: [] for k in rollouts}
     for _ in range(3):
         for name, ro in rollouts.items():
@@ -449,7 +460,8 @@ def shared_kv_cost(args):
                        temperature=0.8, micro_batch=args.micro_batch, fast=True, lr=0.0)
         ro = partial_rollout(args, model, tok, cfg, keep_states=not bf16)  # bf16 runs re-score
         batch = partial_batch(ro)
-        batch, _ = S.self_condition(model, cfg, ro, batch, S.teacher_prompts(tok, ro, batch))
+        batch = dataclasses.replace(batch, context=S.teacher_prompts(tok, ro, batch))
+        batch, _ = S.sc_credit(model, cfg, ro, batch)
         opt = torch.optim.AdamW(model.parameters(), lr=0.0)
         ways = {"repeat_kv copies": "sdpa", "shared heads": models.SHARED_KV}
         times, losses = {(k, p): [] for k in ways for p in ("teacher", "update")}, {k: [] for k in ways}
@@ -505,8 +517,8 @@ def teacher_tokens(args):
     cfg = S.Config(algo="scgrpo", group_size=args.group_size, max_new_tokens=args.max_new_tokens,
                    temperature=0.8, fast=True)
     ro = partial_rollout(args, model, tok, cfg, keep_states=False)
-    teacher_prompts = S.teacher_prompts(tok, ro, partial_batch(ro))
-    t_prompts = prefix_tokens(teacher_prompts.values())
+    teacher_prompts = distinct_prompts(S.teacher_prompts(tok, ro, partial_batch(ro)))
+    t_prompts = prefix_tokens(teacher_prompts)
     tokens = dict(prompts=prefix_tokens(ro.prompts), answers=int(ro.mask.sum()))
     flops = lambda **more: flop_floors((body, head), dict(tokens, **more), 1e-9)  # noqa: E731 (1e-9: FLOPs)
     floor, fp32, bf16 = (flops()["teacher"], flops(teacher_prompts=t_prompts)["teacher"],
@@ -555,7 +567,7 @@ def compile_cost(args):
         cfg = S.Config(algo="scgrpo", group_size=args.group_size, max_new_tokens=args.max_new_tokens,
                        temperature=0.8, micro_batch=args.micro_batch, fast=True)
         ros = []
-        for (p, n, _), (ids, mask, _, _), b in zip(calls, sampled["answers"], batches):
+        for (p, n, _), (ids, mask, _), b in zip(calls, sampled["answers"], batches):
             correct = torch.tensor([[1.0] * 3 + [0.0] * (n - 3)] * len(p))
             ros.append(S.Rollout(b, p, ids, mask, batching.decode(tok, ids, mask), correct))
         for name in ("eager", "compiled body"):

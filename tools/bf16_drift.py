@@ -49,20 +49,19 @@ def main(argv=None):
     train, _ = tasks.load_task(cfg)
     G = cfg.group_size
     ro = S.sample_groups(model, tok, cfg, train[:args.questions], G, cfg.temperature, torch.Generator().manual_seed(0),
-                         models.stop_ids(model, tok), keep_states=True)
+                         models.stop_ids(model, tok))
     ro.correct = torch.tensor([[1.0] * 3 + [0.0] * (G - 3)] * args.questions)
     batch = partial_batch(ro)
-    prompts = S.teacher_prompts(tok, ro, batch)
+    batch = dataclasses.replace(batch, context=S.teacher_prompts(tok, ro, batch))
     scored = {}
     opt = torch.optim.SGD(model.parameters(), lr=0.0)  # training() needs one; it never steps here
     for name, bf16, copy in (("fp32", False, False), ("bf16", True, True), ("autocast", True, False)):
         models.set_precision(model, bf16, weights_copy=copy)  # autocast: the bf16 path before the copy
-        states = ro if not bf16 else dataclasses.replace(ro, hidden=None, lse=None)  # as a bf16
-        b, _ = S.self_condition(model, cfg, states, batch, prompts)  # run: its sampler keeps no states
+        states = ro if not bf16 else dataclasses.replace(ro, fast_states=None)  # as a bf16 run:
+        b, _ = S.sc_credit(model, cfg, states, batch)  # its sampler keeps no states
         with models.training(model, opt, grad_checkpoint=False), torch.no_grad():
             logp, mask = S.answer_logprobs(model, cfg, ro, b)
-        active = torch.arange(b.kl.shape[1]) < b.n_active[:, None]
-        scored[name] = (b.kl[active], b.weights[active], logp[mask])
+        scored[name] = (b.kl[b.active], b.weights[b.active], logp[mask])
     (d32, w32, lp32), (d16, w16, lp16) = scored["fp32"], scored["bf16"]
     res = dict(model=cfg.model, questions=args.questions, answers=len(batch.row), machine=machine().strip(),
                D_fp32=quantiles(d32), D_abs_diff=quantiles((d16 - d32).abs()),

@@ -121,12 +121,14 @@ ARMS = {
     # RLSD's weight with the gold teacher or with SC-GRPO's own
     "distill": ("distill", []), "opsd": ("opsd", []), "rlsd": ("rlsd", []),
     "rlsd-self": ("rlsd", ["--teacher", "self"]),
+    # OPSD's teacher the policy being trained, not the initial one (the first exploratory run's)
+    "opsd-current": ("opsd", ["--opsd-teacher", "current"]),
 }
 
 
 PROGRAMS = {"dapo": "variants/dapo.py", "scgrpo-skip": "variants/eq5_options.py",
             "scgrpo-window": "variants/eq5_options.py", "distill": "variants/distill.py",
-            "opsd": "variants/opsd.py", "rlsd": "variants/rlsd.py",
+            "opsd": "variants/opsd.py", "opsd-current": "variants/opsd.py", "rlsd": "variants/rlsd.py",
             "rlsd-self": "variants/rlsd.py"}  # every other arm runs scgrpo.py
 
 

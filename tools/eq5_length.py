@@ -1,10 +1,10 @@
 """
 Does Eq. (5) favour short answers? The diversity advantage of a solve-none group scores each
-answer by its mean f(D) over its first L_i = min(|o_i|, |o_r|) tokens (note 4 of scgrpo.py's
-docstring). This samples batches of training questions (in file order) from the untrained
-model, on the CPU in fp32, routes and scores them with scgrpo.py's own functions as a training
-step does (self_condition, Eq. 5), and relates each solve-none answer's advantage alpha * A_div to its
-length |o_i| (tokens, EOS included).
+answer by its mean f(D) over its first L_i = min(|o_i|, |o_r|) tokens (scgrpo.make_batch). This
+samples batches of training questions (in file order) from the untrained model, on the CPU in
+fp32, routes and scores them with scgrpo.py's own functions as a training step does (sc_credit:
+D, f(D), Eq. 5), and relates each solve-none answer's advantage alpha * A_div to its length |o_i|
+(tokens, EOS included).
 
     python tools/eq5_length.py                          # SmolLM2-135M on addition, 16 batches: ~7 min
     python tools/eq5_length.py --batches 16 --out docs/ablation/eq5_length.json   # what docs/ holds
@@ -42,15 +42,14 @@ import scgrpo as S  # noqa: E402
 
 def routed_batch(ro, rng):
     """The routes and Batch of a rollout as scgrpo.train_step makes them (references drawn from rng)."""
-    routes = S.route_groups(ro.correct, "scgrpo")
-    refs = [S.pick_references(c, r, rng) for c, r in zip(ro.correct.bool().tolist(), routes)]
-    return routes, S.make_batch(ro, routes, S.group_advantages(ro.correct), refs)
+    group_routes = S.route_groups(ro.correct)
+    refs = [S.pick_references(c, r, rng) for c, r in zip(ro.correct.bool().tolist(), group_routes)]
+    return group_routes, S.make_batch(ro, group_routes, S.group_advantages(ro.correct), refs)
 
 
 def teacher_and_eq5(model, tok, cfg, ro, batch):
     """D, f(D) and Eq. (5) on a Batch, as scgrpo.train_step computes them. -> (Batch, the teacher's metrics)"""
-    batch, stats = S.self_condition(model, cfg, ro, batch, S.teacher_prompts(tok, ro, batch))
-    return dataclasses.replace(batch, adv=S.solve_none_advantages(batch, S.window_means(batch), cfg.alpha_div)), stats
+    return S.sc_credit(model, cfg, ro, dataclasses.replace(batch, context=S.teacher_prompts(tok, ro, batch)))
 
 
 def ranks(xs):
@@ -119,19 +118,19 @@ def main():
               f"{len(train_rows)}: use --batches {len(train_rows) // B} or fewer")
     for k in tqdm(range(args.batches), desc="batches"):
         ro = S.sample_groups(model, tok, cfg, train_rows[k * B:(k + 1) * B], cfg.group_size, cfg.temperature,
-                             gen, eos, keep_states=True)
-        routes, batch = routed_batch(ro, rng)
-        if not bool((batch.ref >= 0).any()):
+                             gen, eos)
+        group_routes, batch = routed_batch(ro, rng)
+        if not bool((batch.ref_row >= 0).any()):
             continue
         batch, _ = teacher_and_eq5(model, tok, cfg, ro, batch)
-        none_groups += routes.count("solve_none")
+        none_groups += group_routes.count("solve_none")
         lengths = ro.lengths.view(-1)
         pairs += [(float(batch.adv[m]), int(lengths[batch.row[m]])) for m, route in enumerate(batch.route)
                   if route == "solve_none"]
         G = cfg.group_size
         for b in sorted({int(batch.row[m]) // G for m, route in enumerate(batch.route) if route == "solve_none"}):
             members = [m for m in range(len(batch.route)) if int(batch.row[m]) // G == b]
-            r = int(batch.ref[members[0]])  # o_r's row, every member's reference
+            r = int(batch.ref_row[members[0]])  # o_r's row, every member's reference
             lens = torch.tensor([int(lengths[batch.row[m]]) for m in members] + [int(lengths[r])])
             w = batch.weights[members].cpu()
             for t in range(w.shape[1]):  # f(D) per position, and at EOS where it lies in the window

@@ -8,7 +8,7 @@ highest for near-copies. This tool measures which way s_i points, on real answer
 
 It samples training batches at the study's config (8 questions x 8 answers a step, the SmolLM2
 preset's length and temperature), routes and scores them with scgrpo.py's own functions as a
-training step does (self_condition: c is the step's P75), and for each solve-none answer relates
+training step does (sc_credit: c is the step's P75), and for each solve-none answer relates
 s_i to how much o_i resembles o_r:
 
     lcp        the share of o_i's window (its first L_i tokens) that is a common prefix with o_r
@@ -126,8 +126,8 @@ def score(model, cfg, ro, b, r, answers, c, tok):
     rows = torch.full((len(names),), b * G)  # the student prompt is question b's
     prompts = [S.encode_prompt(tok, ro.problems[b]["question"], ro.texts[r])]
     # no kept sampler states: these answers were not sampled, so the student side is a forward too
-    d = S.teacher_kl(model, cfg, dataclasses.replace(ro, hidden=None, lse=None), rows, prompts,
-                     torch.zeros(len(names), dtype=torch.long), ids, mask)
+    d, _, _ = S.teacher_kl(model, cfg, dataclasses.replace(ro, fast_states=None), rows, prompts,
+                           torch.zeros(len(names), dtype=torch.long), ids, mask)
     D = torch.zeros(mask.shape).masked_scatter(mask, d)
     f = (D / (D + c)) * mask
     return {k: float(f[n].sum()) / window[n] for n, k in enumerate(names)}
@@ -188,21 +188,21 @@ def main():
     order = tasks.Batcher(train_rows, cfg.seed)
     groups, consistency = [], 0.0
     for k in tqdm(range(args.batches), desc="batches"):
-        ro = S.sample_groups(model, tok, cfg, order.take(B), G, cfg.temperature, gen, eos, keep_states=True)
-        routes, batch = routed_batch(ro, rng)
-        if "solve_none" not in routes:
+        ro = S.sample_groups(model, tok, cfg, order.take(B), G, cfg.temperature, gen, eos)
+        group_routes, batch = routed_batch(ro, rng)
+        if "solve_none" not in group_routes:
             continue
         batch, stats = teacher_and_eq5(model, tok, cfg, ro, batch)
         c = stats["c"]
-        for b in [b for b, route in enumerate(routes) if route == "solve_none"]:
+        for b in [b for b, route in enumerate(group_routes) if route == "solve_none"]:
             members = [m for m in range(len(batch.route)) if int(batch.row[m]) // G == b]
-            r = int(batch.ref[members[0]])
+            r = int(batch.ref_row[members[0]])
             o_r = ro.ids[r, :int(ro.mask[r].sum())].tolist()
             answers = []
             for m in members:
                 row = int(batch.row[m])
                 o_i = ro.ids[row, :int(ro.mask[row].sum())].tolist()
-                L_i = int(batch.n_active[m])
+                L_i = int(batch.active[m].sum())
                 answers.append(dict(i=row % G, s=float(batch.weights[m, :L_i].sum()) / L_i, adv=float(batch.adv[m]),
                                     **resemblance(o_i, o_r), text=ro.texts[row]))
             # the same scoring outside the step must give the step's own s_i (a check of score())

@@ -10,6 +10,7 @@ speed.Preallocated.
     python tools/profile_step.py        # writes docs/bench/<date>_<machine>_<commit>_profile_...txt too
 """
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -66,7 +67,7 @@ def main():
              f"{cfg.max_new_tokens}-token cap, micro-batch {cfg.micro_batch}, {args.dtype} fast path\n",
              f"{machine().strip()}, {torch.get_num_threads()} thread(s)"]
     sample = lambda: S.sample_groups(model, tok, cfg, problems, cfg.group_size, cfg.temperature,  # noqa: E731
-                                     torch.Generator().manual_seed(0), eos, keep_states=True)
+                                     torch.Generator().manual_seed(0), eos)
     ro = profiled("sampling (speed.Preallocated KV cache)", sample, lines)
     if args.kv_cat:
         real = speed.preallocated
@@ -76,8 +77,8 @@ def main():
     G = cfg.group_size  # three answers of each group taken as correct: every group has a teacher
     ro.correct = torch.tensor([[1.0] * 3 + [0.0] * (G - 3)] * len(problems))
     batch = partial_batch(ro)
-    prompts = S.teacher_prompts(tok, ro, batch)
-    batch = profiled("teacher", lambda: S.self_condition(model, cfg, ro, batch, prompts), lines)[0]
+    batch = dataclasses.replace(batch, context=S.teacher_prompts(tok, ro, batch))
+    batch = profiled("teacher", lambda: S.sc_credit(model, cfg, ro, batch), lines)[0]
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)  # lr 0: every pass sees one model
     order, slices, _ = S.micro_batches(batch, ro, cfg.micro_batch)
     rows = batch.row[torch.tensor(order)]

@@ -12,6 +12,7 @@ It writes the page (machinery/credit.py), a JSON file of the values beside it, a
 answer it shows: the longest answer of the first partial group (the route where all four apply).
 """
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -40,19 +41,20 @@ def main():
     batcher, gen = tasks.Batcher(tasks.load_task(cfg)[0], cfg.seed), torch.Generator().manual_seed(cfg.seed)
     while True:  # batches of the preset's run until one has a partial group
         ro = S.sample_groups(model, tok, cfg, batcher.take(cfg.prompts_per_step), cfg.group_size,
-                             cfg.temperature, gen, eos, keep_states=True)
-        routes = S.route_groups(ro.correct, "scgrpo")
-        if "partial" in routes:
+                             cfg.temperature, gen, eos)
+        group_routes = S.route_groups(ro.correct)
+        if "partial" in group_routes:
             break
-    refs = [S.pick_references(ok, r, rng) for ok, r in zip(ro.correct.bool().tolist(), routes)]
-    batch = S.make_batch(ro, routes, S.group_advantages(ro.correct), refs)
-    batch, stats = S.self_condition(model, cfg, ro, batch, S.teacher_prompts(tok, ro, batch))
-    b = routes.index("partial")
+    refs = [S.pick_references(ok, r, rng) for ok, r in zip(ro.correct.bool().tolist(), group_routes)]
+    batch = S.make_batch(ro, group_routes, S.group_advantages(ro.correct), refs)
+    batch = dataclasses.replace(batch, context=S.teacher_prompts(tok, ro, batch))
+    batch, stats = S.sc_credit(model, cfg, ro, batch)
+    b = group_routes.index("partial")
     m = max((k for k in range(len(batch.route)) if int(batch.question[k]) == b),
             key=lambda k: int(ro.mask[int(batch.row[k])].sum()))
     one = batch[[m]]
     ids, mask = S.pack(ro, one.row)                                                # (1, L)
-    self_prompt = [S.encode_prompt(tok, ro.problems[b]["question"], ro.texts[int(one.ref[0])])]
+    self_prompt = [S.encode_prompt(tok, ro.problems[b]["question"], ro.texts[int(one.ref_row[0])])]
     gold_text = opsd.gold_context(ro.problems[b], False)
     gold_prompt = [S.encode_prompt(tok, ro.problems[b]["question"], gold_text)]
     with torch.no_grad():
@@ -78,7 +80,7 @@ def main():
     example = dict(question=ro.problems[b]["question"], route="partial", adv=float(one.adv[0]),
                    reward=float(ro.correct.view(-1)[int(one.row[0])]), signals=signals,
                    tokens=[tok.decode([t]) for t in ids[0, :L].tolist()],
-                   context=f"verified answer (SC-GRPO, distill): {ro.texts[int(one.ref[0])]}\n\n"
+                   context=f"verified answer (SC-GRPO, distill): {ro.texts[int(one.ref_row[0])]}\n\n"
                            f"gold solution (RLSD, OPSD): {gold_text}")
     note = (f"SmolLM2-135M-Instruct before training, seed {cfg.seed}; c = {stats['c']:.4f} (the P75 of D "
             "over the step's active tokens). RLSD: below 1 blue, above 1 orange.")

@@ -6,7 +6,7 @@ DAPO (Yu et al., arXiv 2503.14476), the paper's strongest baseline, as a fork of
   2. Dynamic sampling: groups whose rewards are all equal give no gradient, so they are dropped
      and new questions sampled in their place (sample_with_refill).
   3. A token-level loss: each token's term over the number of tokens in the batch, in place of
-     scgrpo's 1 / (B G |o_i|) (the Batch's norm, set in dapo_step).
+     scgrpo's 1 / (B G |o_i|) (the Batch's loss_scale, set in dapo_step).
   4. Overlong shaping: a penalty from 0 down to -1 over the last --overlong-buffer tokens of the
      length cap (shaped_reward). DAPO's paper has it; the SC-GRPO paper does not say its DAPO
      baseline used it: our choice.
@@ -69,7 +69,7 @@ def sample_with_refill(model, tok, cfg, batcher, gen, eos_ids):
         new = S.sample_groups(model, tok, cfg, batcher.take(cfg.prompts_per_step - n_kept),
                               cfg.group_size, cfg.temperature, gen, eos_ids)
         sampled.append(new)
-        routes = S.route_groups(shaped_reward(new, cfg), "grpo")  # 'skip': all rewards equal
+        routes = S.grpo_routes(shaped_reward(new, cfg))  # 'skip': all rewards equal
         new = select_groups(new, [b for b, route in enumerate(routes) if route != "skip"])
         kept.append(new)
         n_kept += len(new.problems)
@@ -81,28 +81,32 @@ def dapo_loss(model, cfg, ro, mb, old_logp=None):
     logp, mask = S.answer_logprobs(model, cfg, ro, mb)                            # (b, L)
     old_logp = logp.detach() if old_logp is None else old_logp
     return S.policy_loss(logp, old_logp, mb.adv.to(logp.device), mb.weights[:, :mask.shape[1]],
-                         mb.norm.to(logp.device), mask, cfg.epsilon, cfg.epsilon_high)
+                         mb.loss_scale.to(logp.device), mask, cfg.epsilon, cfg.epsilon_high)
 
 
-def dapo_step(model, optimizer, tok, cfg, batcher, rng, gen, eos_ids):
+def dapo_step(model, optimizer, tok, cfg, batcher, rng, gen, eos_ids, step_no):
     """scgrpo.train_step with DAPO's four changes and no teacher. -> (metrics, [])"""
     clock = Phases(next(model.parameters()).device)
     ro, sampled, rounds = sample_with_refill(model, tok, cfg, batcher, gen, eos_ids)
     clock.lap("sample")
     reward = shaped_reward(ro, cfg)                                                # (B, G)
-    routes = S.route_groups(reward, "grpo")  # 'grpo' for every group kept
+    routes = S.grpo_routes(reward)  # 'grpo' for every group kept
     batch = S.make_batch(ro, routes, S.group_advantages(reward), [[None] * ro.G] * len(routes))
     # change 3: every token of the batch weighs the same, 1 / (the batch's tokens)
     lengths = ro.lengths.view(-1)[batch.row]                                       # (M,)
-    batch = replace(batch, norm=torch.full(lengths.shape, 1.0 / max(1, int(lengths.sum()))))
+    batch = replace(batch, loss_scale=torch.full(lengths.shape, 1.0 / max(1, int(lengths.sum()))))
     clock.lap("teacher")  # none: the phase is kept so that every run logs the same columns
     upd, stepped = S.update(model, optimizer, cfg, ro, batch, loss_of=dapo_loss)
     clock.lap("update")
-    metrics = step_metrics(sampled, routes, batch, clock, **upd, eq5_only=False,
-                           nonfinite=bool(batch.route) and not stepped)
+    metrics = step_metrics(sampled, routes, batch, clock, upd, {}, stepped)
     metrics.update(sample_rounds=rounds, groups_dropped=len(sampled.problems) - len(ro.problems))
     return metrics, []
 
 
+def main(argv=None):
+    """scgrpo.py's command line with this file's settings and seams (the tests call it too)."""
+    S.main(argv, Config=Config, step=dapo_step)
+
+
 if __name__ == "__main__":
-    S.main(Config=Config, step=dapo_step)
+    main()

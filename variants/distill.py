@@ -7,14 +7,17 @@ the student toward their mixture, a target that no single verified answer follow
     its group as tau, in the teacher's prompt of Eq. (4). A solve-none group has no verified answer
     to distil from, and GRPO gives it no gradient: it is skipped (Eq. 5 is a weight's, not here).
   - L_GRPO is scgrpo.py's clipped objective with every weight 1.
-  - L_distill = sum_i 1/(B G |o_i|) sum_t Div(teacher_t, student_t) over the answers with a teacher,
-    normalised as J is, the teacher under stop-gradient (Eq. 4), the gradient through the student.
-    --divergence forward: KL(teacher || student), the D of §5.1; reverse: KL(student || teacher);
-    bidirectional: mix * forward + (1 - mix) * reverse.
-  - beta: fixed (--beta 0.1), or warmed up linearly from --beta-start 0.03 at the first step to
-    --beta at the last (the paper's 0.03 -> 0.1).
-L_distill needs the student's whole distribution with its gradient, so the update's forward is the
-plain one (forward_answers), whatever --fast says; sampling and evaluation keep the fast path.
+  - L_distill = sum_i 1/(B G |o_i|) sum_t Div(teacher_t, student_t) over the answers with a teacher:
+    each answer's tokens averaged, then the answers (as J is, Eq. 2), the teacher under
+    stop-gradient (Eq. 4), the gradient through the student. --divergence forward:
+    KL(teacher || student), the D of §5.1; reverse: KL(student || teacher); bidirectional:
+    mix * forward + (1 - mix) * reverse.
+  - beta: fixed (--beta 0.1), or warmed up linearly from --beta-start 0.03 at the first
+    training step to --beta at the last (the paper's 0.03 -> 0.1), counted in training steps.
+Seams: the route (solve-none groups skipped), the credit (every weight 1) and the loss; the
+teacher's context is SC-GRPO's. L_distill needs the student's whole distribution with its
+gradient, so the update's forward is the plain one (forward_answers), whatever --fast says;
+sampling and evaluation keep the fast path.
     python variants/distill.py --model SmolLM2-135M --task addition --divergence reverse
 """
 import math
@@ -27,7 +30,6 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # scgrpo.py
 import scgrpo as S  # noqa: E402
-from machinery.metrics import Phases, step_metrics  # noqa: E402
 
 
 @dataclass
@@ -45,6 +47,16 @@ class Config(S.Config):
                                   rule=(lambda v, cfg: v == -1 or v >= 0, "-1, or >= 0"))
     mix: float = S.setting(0.5, "bidirectional: the forward KL's share; the reverse gets 1 - mix",
                            rule=(lambda v, cfg: 0 <= v <= 1, "in [0, 1]"))
+
+
+def skip_solve_none(rewards):
+    """The route seam: SC-GRPO's routes, a solve-none group skipped (no verified answer in it)."""
+    return ["skip" if r == "solve_none" else r for r in S.route_groups(rewards)]
+
+
+def unit_credit(model, cfg, ro, batch):
+    """The credit seam of a method whose teacher acts in the loss: every weight 1, Eq. (1)."""
+    return batch, {}
 
 
 def divergence(log_t, log_s, kind, mix=0.5):
@@ -80,22 +92,22 @@ def student_logprobs(model, cfg, ro, mb):
     return log_s, log_s.gather(-1, ids[..., None]).squeeze(-1).masked_fill(~mask, 0.0), ids, mask
 
 
-def distill_loss(prompts, beta, seen):
-    """update's loss_of: L_GRPO (weights 1) + beta L_distill of a micro-batch. prompts: the teacher
-    prompt of each reference row (teacher_prompts); seen: L_distill's parts, for the log."""
+def distill_loss(beta, seen):
+    """The loss seam: L_GRPO (weights 1) + beta L_distill of a micro-batch, the teacher's prompt of
+    each answer in mb.context; seen: L_distill's parts, for the log."""
     def loss_of(model, cfg, ro, mb, old_logp=None):
         log_s, logp, ids, mask = student_logprobs(model, cfg, ro, mb)
         old_logp = logp.detach() if old_logp is None else old_logp  # mu = 1: rho = 1
-        norm = mb.norm.to(logp.device)                                             # (b,)
+        scale = mb.loss_scale.to(logp.device)                                      # (b,)
         loss, n_clipped = S.policy_loss(logp, old_logp, mb.adv.to(logp.device),
-                                        mb.weights[:, :mask.shape[1]], norm, mask, cfg.epsilon,
+                                        mb.weights[:, :mask.shape[1]], scale, mask, cfg.epsilon,
                                         cfg.epsilon)
-        taught = (mb.ref >= 0).nonzero().squeeze(1).to(logp.device)                # (r,)
+        taught = mb.scored.to(logp.device)                                         # (r,)
         if len(taught):
-            log_t = teacher_logprobs(model, cfg, [prompts[int(mb.ref[k])] for k in taught],
+            log_t = teacher_logprobs(model, cfg, [mb.context[k] for k in taught.tolist()],
                                      ids[taught], mask[taught])                   # (r, L, V)
             div = divergence(log_t, log_s[taught], cfg.divergence, cfg.mix) * mask[taught]
-            l_distill = (div.sum(1) * norm[taught]).sum()  # normalised as J: 1/(B G |o_i|)
+            l_distill = (div.sum(1) * scale[taught]).sum()  # normalised as J: 1/(B G |o_i|)
             loss, seen[0] = loss + beta * l_distill, seen[0] + float(l_distill)
         return loss, n_clipped
     return loss_of
@@ -107,29 +119,28 @@ def optimizer_steps(optimizer):
     return int(state["step"]) if state else 0
 
 
-def distill_step(model, optimizer, tok, cfg, batcher, rng, gen, eos_ids):
-    """scgrpo.train_step with the teacher's KL moved from the weights into the loss."""
-    clock = Phases(next(model.parameters()).device)
-    ro = S.sample_groups(model, tok, cfg, batcher.take(cfg.prompts_per_step), cfg.group_size,
-                         cfg.temperature, gen, eos_ids)
-    clock.lap("sample")
-    routes = ["skip" if r == "solve_none" else r for r in S.route_groups(ro.correct, "scgrpo")]
-    refs = [S.pick_references(c, r, rng) for c, r in zip(ro.correct.bool().tolist(), routes)]
-    batch = S.make_batch(ro, routes, S.group_advantages(ro.correct), refs)  # every weight 1
-    prompts = S.teacher_prompts(tok, ro, batch)  # Eq. (4): tau in each reference's prompt
-    clock.lap("teacher")  # the teacher's passes run inside the update, one per micro-batch
-    progress = min(optimizer_steps(optimizer) / max(1, cfg.steps - 1), 1.0)
+def beta_at(cfg, step_no):
+    """beta at training step step_no (1..steps): --beta, or warmed up linearly from --beta-start at
+    the first step to --beta at the last, counted in training steps (not optimizer steps)."""
     start = cfg.beta if cfg.beta_start < 0 else cfg.beta_start  # the warm-up, or a fixed beta
-    beta = start + (cfg.beta - start) * progress
+    return start + (cfg.beta - start) * min((step_no - 1) / max(1, cfg.steps - 1), 1.0)
+
+
+def distill_step(model, optimizer, tok, cfg, batcher, rng, gen, eos_ids, step_no):
+    """scgrpo.train_step with the teacher's KL moved from the weights into the loss."""
+    beta = beta_at(cfg, step_no)
     seen = [0.0]  # L_distill, summed over the update's micro-batches
-    upd, stepped = S.update(model, optimizer, cfg, ro, batch,
-                            loss_of=distill_loss(prompts, beta, seen))
-    clock.lap("update")
-    metrics = step_metrics(ro, routes, batch, clock, **upd, eq5_only=False,
-                           nonfinite=bool(batch.route) and not stepped)
+    metrics, _ = S.train_step(model, optimizer, tok, cfg, batcher, rng, gen, eos_ids, step_no,
+                              route=skip_solve_none, credit=unit_credit,
+                              loss_of=distill_loss(beta, seen))
     metrics.update(beta=beta, distill_loss=seen[0] / cfg.ppo_epochs)
-    return metrics, []
+    return metrics, []  # no token weight to show on the credit page
+
+
+def main(argv=None):
+    """scgrpo.py's command line with this file's settings and seams (the tests call it too)."""
+    S.main(argv, Config=Config, step=distill_step)
 
 
 if __name__ == "__main__":
-    S.main(Config=Config, step=distill_step)
+    main()

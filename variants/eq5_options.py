@@ -9,7 +9,8 @@ Each is off by default, so with no flag this runs scgrpo.py's SC-GRPO exactly.
                       of its group by mean f(D) (docs/eq5.md). This option says "unlike" directly.
   --eq5-only-step skip  a step whose only gradient is Eq. (5)'s (every routed group solve-none)
                       applies no update: the paper's nudge never moves the model alone.
-The studies that ran them: docs/paper_regime.md (window, skip), docs/eq5.md (unlike).
+The studies that ran them: docs/paper_regime.md (window, skip), docs/eq5.md (unlike). One seam,
+the credit: the teacher's D and f(D) are scgrpo.py's, then each option where it acts.
     python variants/eq5_options.py --model SmolLM2-135M --task addition --eq5-score unlike
 """
 import difflib
@@ -21,8 +22,6 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # scgrpo.py
 import scgrpo as S  # noqa: E402
-from machinery.credit import credit_examples  # noqa: E402
-from machinery.metrics import Phases, step_metrics  # noqa: E402
 
 
 @dataclass
@@ -40,11 +39,13 @@ class Config(S.Config):
 
 
 def group_window(ro, batch):
-    """--eq5-window group: each solve-none answer's active tokens, the group's shortest answer's
-    length. -> n_active (M,)"""
+    """--eq5-window group: each solve-none answer's active tokens, the first as many as its group's
+    shortest answer has. -> active (M, L)"""
     shortest = ro.lengths.min(1).values[batch.question]                            # (M,)
+    cols = torch.arange(batch.active.shape[1])
+    window = (cols < shortest[:, None]).to(batch.active.device)                    # (M, L)
     none = torch.tensor([r == "solve_none" for r in batch.route], dtype=torch.bool)
-    return torch.where(none, shortest, batch.n_active)
+    return torch.where(none[:, None].to(window.device), window, batch.active)
 
 
 def unlikeness(ro, i, r, L):
@@ -58,33 +59,27 @@ def unlike_scores(ro, batch):
     """--eq5-score unlike: s_i = unlikeness of o_i's window to o_r's, for the solve-none answers
     (0 elsewhere, where Eq. (5) does not read it). -> (M,)"""
     return torch.tensor([unlikeness(ro, int(i), int(r), int(L)) if route == "solve_none" else 0.0
-                         for i, r, L, route in zip(batch.row, batch.ref, batch.n_active,
+                         for i, r, L, route in zip(batch.row, batch.ref_row, batch.active.sum(1),
                                                    batch.route)])
 
 
-def eq5_options_step(model, optimizer, tok, cfg, batcher, rng, gen, eos_ids):
-    """scgrpo.train_step, with the three options where they act (marked 'option')."""
-    clock = Phases(next(model.parameters()).device)
-    ro = S.sample_groups(model, tok, cfg, batcher.take(cfg.prompts_per_step), cfg.group_size,
-                         cfg.temperature, gen, eos_ids, keep_states=True)
-    clock.lap("sample")
-    routes = S.route_groups(ro.correct, "scgrpo")
-    refs = [S.pick_references(c, r, rng) for c, r in zip(ro.correct.bool().tolist(), routes)]
-    batch = S.make_batch(ro, routes, S.group_advantages(ro.correct), refs)
+def eq5_credit(model, cfg, ro, batch):
+    """The credit seam: scgrpo.sc_credit, with the three options where they act ('option')."""
     if cfg.eq5_window == "group":  # option: one window for the whole group
-        batch = replace(batch, n_active=group_window(ro, batch))
-    batch, sc_stats = S.self_condition(model, cfg, ro, batch, S.teacher_prompts(tok, ro, batch))
+        batch = replace(batch, active=group_window(ro, batch))
+    kl, _, _ = S.teacher_pass(model, cfg, ro, batch)
+    batch, metrics = S.weigh_tokens(cfg, batch, kl)                                # f(D)
     s = unlike_scores(ro, batch) if cfg.eq5_score == "unlike" else S.window_means(batch)  # option
     batch = replace(batch, adv=S.solve_none_advantages(batch, s, cfg.alpha_div))
-    clock.lap("teacher")
-    eq5_only = set(batch.route) == {"solve_none"}
-    trained = batch[:0] if eq5_only and cfg.eq5_only_step == "skip" else batch  # option
-    upd, stepped = S.update(model, optimizer, cfg, ro, trained)
-    clock.lap("update")
-    metrics = step_metrics(ro, routes, trained, clock, **upd, **sc_stats, eq5_only=eq5_only,
-                           nonfinite=bool(trained.route) and not stepped)
-    return metrics, credit_examples(tok, ro, batch)
+    if cfg.eq5_only_step == "skip" and set(batch.route) == {"solve_none"}:  # option: Eq. (5) is
+        batch = batch[:0]  # the step's only gradient, so no answer trains and nothing is applied
+    return batch, metrics
+
+
+def main(argv=None):
+    """scgrpo.py's command line with this file's settings and seams (the tests call it too)."""
+    S.main(argv, Config=Config, credit=eq5_credit)
 
 
 if __name__ == "__main__":
-    S.main(Config=Config, step=eq5_options_step)
+    main()

@@ -1,0 +1,1 @@
+"""The tests beside the story's own (test_scgrpo.py), one file per role."""
