@@ -10,8 +10,8 @@ number of correct answers:
     n_c = 1        fallback    plain GRPO, weight 1 (taught, such groups collapsed the entropy)
     n_c = 0        solve-none  tau = o_r, one of its own answers; alpha * A_div_i of Eq. (5), x f(D)
     n_c = G        skip        every advantage is 0: no gradient   (--algo grpo: 'grpo' or 'skip')
-Indices: b a question (B a step); i, j answers within a group (G); t a token; n a Rollout row,
-answer n % G to question n // G; m a Batch row, one of the M answers that get a gradient.
+Indices: b a question (B a step), i and j answers in its group (G), t a token, n a Rollout row
+(answer n % G to question n // G), m a Batch row (one of the M answers that get a gradient).
 Seams, each a function a fork passes to main() in place of ours (variants/README.md): context=
 teacher_prompts (each answer's teacher prompt, Eq. 4), credit=sc_credit (per-token weights f(D),
 advantages of Eq. 5), loss_of=micro_batch_loss (a micro-batch's -J_SC), route=route_groups.
@@ -23,7 +23,6 @@ three plain steps, each marked `if cfg.fast:`, for their equals in machinery/spe
 """
 import math
 import random
-import re
 from dataclasses import dataclass, replace
 from decimal import Decimal
 from functools import partial
@@ -40,7 +39,7 @@ from machinery.credit import credit_examples  # the answers shown on the credit 
 from machinery.models import TINY_TEMPLATE, autocast, no_grad_model, training
 from machinery.metrics import Phases, UpdateLog, kl_metrics, step_metrics  # what a step logs
 from machinery.runs import Run  # the run folder: logs, checkpoints, resume
-from machinery.tasks import Batcher, last_boxed
+from machinery.tasks import NUMBER, Batcher, last_boxed, normalize_number  # reading numbers
 
 # Config -------------------------------------------------------------------------------------------
 
@@ -99,19 +98,7 @@ PRESETS = {
 }
 
 # The verifier (the questions and gold answers come from machinery/tasks.py) -----------------------
-
-NUMBER = re.compile(r"-?[0-9][0-9,]*(?:\.[0-9]+)?")  # no nested quantifiers: linear time
-
-
-def normalize_number(s):
-    """The first number in s: '$1,234.00' -> '1234', '-3.50%' -> '-3.5'; None if there is none."""
-    m = NUMBER.search(s.replace("$", ""))
-    if m is None:
-        return None
-    num = m.group(0).replace(",", "")
-    num = num.rstrip("0").rstrip(".") if "." in num else num
-    return "0" if num in ("-0", "") else num
-
+# normalize_number(s): the first number in s, as digits ('$1,234.00' -> '1234', '-3.50%' -> '-3.5')
 
 def extract_answer(text):
     """The final answer of a completion: the last \\boxed{}, else the number after the last
@@ -251,15 +238,15 @@ def grpo_routes(rewards):
 
 
 def pick_references(correct, route, rng):
-    """Each answer's reference in one group: G indices j within the group, or None. partial: one of
-    the verified answers, never itself; solve_none: one o_r for all, o_r itself None (uniform)."""
+    """Each answer's reference in one group: G indices j within the group, or None. partial: one
+    verified answer, never itself; solve_none: one o_r for all, o_r's own None. Each uniform."""
     G = len(correct)
     if route == "partial":
         good = [j for j in range(G) if correct[j]]
         return [rng.choice([j for j in good if j != i]) for i in range(G)]
     if route == "solve_none":
-        r = rng.choice(range(G))                                                   # o_r's index
-        return [None if i == r else r for i in range(G)]
+        o_r = rng.choice(range(G))                                         # the index of o_r
+        return [None if i == o_r else o_r for i in range(G)]
     return [None] * G
 
 
@@ -277,11 +264,11 @@ class Batch:
     loss_scale: torch.Tensor  # (M,) each of its tokens' factor in J: 1 / (B G |o_i|)
     kl: torch.Tensor          # (M, L) D_it; 0 where not scored
     weights: torch.Tensor     # (M, L) f(D_it); 1 on each answer token for GRPO and 'fallback'
-    context: list = None      # M teacher prompts (token ids), None for no teacher: the context seam
+    teacher_prompt: list = None  # M token-id lists, None for no teacher: the context seam's
 
     @property
     def scored(self):         # (R,) the rows a teacher scores: those with a teacher prompt
-        return torch.tensor([m for m, c in enumerate(self.context) if c is not None]).long()
+        return torch.tensor([m for m, c in enumerate(self.teacher_prompt) if c is not None]).long()
 
     def __getitem__(self, k):  # a slice or index list k -> the Batch of those rows
         return take_rows(self, torch.arange(len(self.route))[k])
@@ -314,7 +301,7 @@ def make_batch(ro, group_routes, adv, refs):
     return Batch(row=row, question=row // G, ref_row=torch.tensor(ref_row, dtype=torch.long),
                  route=route, adv=adv.reshape(-1)[row], active=active, loss_scale=loss_scale,
                  kl=torch.zeros(mask.shape, device=mask.device), weights=mask.float(),
-                 context=[None] * len(route))
+                 teacher_prompt=[None] * len(route))
 
 # Scoring answers: the plain forward behind the update's log-probs and the teacher's KL ------------
 
@@ -372,16 +359,17 @@ def teacher_kl(model, cfg, ro, rows, prompts, prompt_of, ids, active):
 
 @torch.no_grad()
 def teacher_pass(model, cfg, ro, batch):
-    """The teacher scores the active tokens of every answer with a teacher prompt (batch.context),
-    in micro-batches. -> D, log p_teacher(o_t), log p_student(o_t), each (M, L), 0 elsewhere"""
+    """The teacher scores the active tokens of every row with a teacher prompt, in micro-batches.
+    -> D, log p_teacher(o_t), log p_student(o_t), each (M, L), 0 elsewhere"""
     out = torch.zeros((3, *batch.kl.shape), device=batch.kl.device)               # (3, M, L)
     # by question and reference only so that --fast prefills each shared prompt once
     order = sorted(batch.scored.tolist(), key=lambda m: (int(batch.question[m]),
                                                          int(batch.ref_row[m])))
     for k in range(0, len(order), cfg.micro_batch):
         chunk = torch.tensor(order[k:k + cfg.micro_batch])                         # Batch rows
-        ids, active = pack(ro, batch.row[chunk], batch.active[chunk])              # (b, L)
-        prompts, prompt_of = distinct([batch.context[m] for m in chunk.tolist()], ids.device, id)
+        ids, active = pack(ro, batch.row[chunk], batch.active[chunk])              # (b, L')
+        own = [batch.teacher_prompt[m] for m in chunk.tolist()]  # a prompt object rows share:
+        prompts, prompt_of = distinct(own, ids.device, key=id)    # --fast prefills it once
         got = torch.stack(teacher_kl(model, cfg, ro, batch.row[chunk], prompts, prompt_of, ids,
                                      active))                                      # (3, n)
         back = out.new_zeros(3, *active.shape).masked_scatter(active, got)         # (3, b, L')
@@ -421,7 +409,8 @@ def window_means(batch):
 def diversity_advantages(s, alpha=0.1, eps=1e-6):
     """Eq. (5) for one solve-none group: s (G-1,) the scores s_i of its answers other than o_r
     (our reading: o_r has no score, so the mean and std leave it out). -> alpha * A_div (G-1,)"""
-    # Eq. (5), as written (docs/eq5.md: which way s_i points): A_div_i = (s_i - mean) / (std + eps)
+    # Eq. (5): A_div_i = (s_i - mean) / (std + eps): a high mean f(D) against o_r is pushed up, as
+    # the paper writes it; it reads that as "unlike o_r" (docs/eq5.md measures whether it is)
     return alpha * (s - s.mean()) / (s.std(unbiased=False) + eps)
 
 
@@ -473,9 +462,10 @@ def micro_batch_loss(model, cfg, ro, mb, old_logp=None):
 # One training step: sample -> reward -> advantages -> teacher and weights -> clipped update -------
 
 def update(model, optimizer, cfg, ro, batch, loss_of=micro_batch_loss):
-    """ppo_epochs AdamW steps on the loss, its gradient accumulated over micro-batches.
-    -> (loss, clip_frac, grad_norm, grad_norm_none and update_size as a dict; stepped)"""
-    # solve-none answers first, in micro-batches of their own: grad_norm_none is Eq. (5)'s part
+    """ppo_epochs AdamW steps on the loss, its gradient accumulated over micro-batches. -> (the
+    epoch's loss, clip_frac, grad_norm, grad_norm_none, update_size (a dict, UpdateLog); stepped)"""
+    # the rows in the order they run, and slices of <= micro_batch rows: the n_none solve-none
+    # answers first, in slices of their own, so that grad_norm_none measures Eq. (5)'s part
     order, slices, n_none = micro_batches(batch, ro, cfg.micro_batch)
     batch = batch[order]
     old = None  # mu > 1: the log-probs before any step (this same pass), frozen for every epoch
@@ -489,10 +479,11 @@ def update(model, optimizer, cfg, ro, batch, loss_of=micro_batch_loss):
             for k, sl in enumerate(slices):
                 loss, n_clipped = loss_of(model, cfg, ro, batch[sl], old[k] if old else None)
                 loss.backward()
-                log.micro_batch(loss, n_clipped, last_solve_none=sl.stop == n_none)
+                log.micro_batch(loss, n_clipped, last_solve_none=sl.stop == n_none)  # log.loss +=
             log.grad_norm = float(clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
+            # a non-finite step (log.loss: the epoch's summed loss) is skipped, never applied
             if not (math.isfinite(log.loss) and math.isfinite(log.grad_norm)):
-                break  # a non-finite step is skipped, never applied
+                break
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             stepped = True
@@ -513,7 +504,7 @@ def train_step(model, optimizer, tok, cfg, batcher, rng, gen, eos_ids, step_no,
     group_routes = route(ro.correct)                                               # B routes
     refs = [pick_references(ok, r, rng) for ok, r in zip(ro.correct.bool().tolist(), group_routes)]
     batch = make_batch(ro, group_routes, adv, refs)                                # M rows
-    batch = replace(batch, context=context(tok, ro, batch))    # the teacher's prompts, Eq. (4)
+    batch = replace(batch, teacher_prompt=context(tok, ro, batch))  # the teachers', Eq. (4)
     # our reading: D is measured once a step, by the weights that sampled, not per PPO epoch
     batch, credit_metrics = credit(model, cfg, ro, batch)      # f(D) and Eq. (5)
     clock.lap("teacher")
@@ -576,8 +567,8 @@ def train(cfg, resume="", step=train_step):
         run.log_eval(0, *evaluate(model, tok, run.eval_set, cfg, run.eos_ids))
     bar = tqdm(range(start, cfg.steps + 1), "train", cfg.steps, initial=start - 1, disable=None)
     for step_no in bar:
-        m, credit = step(model, optimizer, tok, cfg, batcher, rng, gen, run.eos_ids, step_no)
-        run.log_step(bar, {"step": step_no, **m}, credit)  # may stop: --max-bad-steps NaN steps
+        m, examples = step(model, optimizer, tok, cfg, batcher, rng, gen, run.eos_ids, step_no)
+        run.log_step(bar, {"step": step_no, **m}, examples)  # may stop: --max-bad-steps NaN steps
         if step_no % cfg.eval_every == 0 or step_no == cfg.steps:
             run.log_eval(step_no, *evaluate(model, tok, run.eval_set, cfg, run.eos_ids))
         run.checkpoint(bar, step_no)  # every --save-every steps, at the end, and after a Ctrl-C

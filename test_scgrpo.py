@@ -34,7 +34,7 @@ def draw_references(ro, routes, rng):
 def with_teacher(model, tok, cfg, ro, batch):
     """SC-GRPO's context and credit seams on a Batch, as train_step runs them: the teacher's prompts,
     then D, f(D) and Eq. (5). -> (Batch, the teacher's metrics)"""
-    return S.sc_credit(model, cfg, ro, dataclasses.replace(batch, context=S.teacher_prompts(tok, ro, batch)))
+    return S.sc_credit(model, cfg, ro, dataclasses.replace(batch, teacher_prompt=S.teacher_prompts(tok, ro, batch)))
 
 
 # The plain reference step -------------------------------------------------------------------------

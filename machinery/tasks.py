@@ -50,7 +50,20 @@ def make_addition_confirm(n=1000):
     return addition_rows(random.Random(2606).sample(unused, n))
 
 
-# The verifier's brace matcher: scgrpo.extract_answer reads an answer's last \boxed{...} with it
+# The verifier's readers: scgrpo.extract_answer finds an answer's number with these
+NUMBER = re.compile(r"-?[0-9][0-9,]*(?:\.[0-9]+)?")  # no nested quantifiers: linear time
+
+
+def normalize_number(s):
+    """The first number in s: '$1,234.00' -> '1234', '-3.50%' -> '-3.5'; None if there is none."""
+    m = NUMBER.search(s.replace("$", ""))
+    if m is None:
+        return None
+    num = m.group(0).replace(",", "")
+    num = num.rstrip("0").rstrip(".") if "." in num else num
+    return "0" if num in ("-0", "") else num
+
+
 def last_boxed(text):
     """Content of the last \\boxed{...}, with nested braces; None if absent or unclosed."""
     start = text.rfind("\\boxed{")

@@ -532,7 +532,7 @@ def test_bf16_d_and_logprobs_follow_the_fp32_plain_lines_within_bf16_rounding(re
                          models.stop_ids(model, tok))
     ro.correct = torch.tensor([[1.0, 1.0, 1.0, 0, 0, 0, 0, 0]])
     batch = S.make_batch(ro, ["partial"], S.group_advantages(ro.correct), draw_references(ro, ["partial"], random.Random(0)))
-    batch = dataclasses.replace(batch, context=S.teacher_prompts(tok, ro, batch))
+    batch = dataclasses.replace(batch, teacher_prompt=S.teacher_prompts(tok, ro, batch))
     fp32, _ = S.sc_credit(model, plain, ro, batch)
     with torch.no_grad():
         lp_fp32, mask = S.answer_logprobs(model, plain, ro, batch)
@@ -656,7 +656,7 @@ def test_the_teacher_pass_gives_the_plain_lines_log_probs(states, tiny):
     ro.correct = torch.tensor([[1.0, 1.0, 0.0, 1.0], [0.0, 0.0, 0.0, 0.0]])
     routes = ["partial", "solve_none"]
     batch = S.make_batch(ro, routes, S.group_advantages(ro.correct), draw_references(ro, routes, random.Random(0)))
-    batch = dataclasses.replace(batch, context=S.teacher_prompts(tok, ro, batch))
+    batch = dataclasses.replace(batch, teacher_prompt=S.teacher_prompts(tok, ro, batch))
     fast = S.teacher_pass(model, cfg, ro, batch)
     plain = S.teacher_pass(model, dataclasses.replace(cfg, fast=False), ro, batch)
     for got, want in zip(fast, plain):  # D, log p_teacher, log p_student, each (M, L)

@@ -2,6 +2,7 @@
 checkpoints and resume, evaluation-only runs, devices and precision, the real SmolLM2 weights, the
 trackers."""
 import dataclasses
+import hashlib
 import importlib.util
 import json
 import math
@@ -316,6 +317,22 @@ def test_gguf_bad_inputs_exit_2_with_one_line(tmp_path, capsys, monkeypatch):
         S.main(["--model", "SmolLM2-135M", "--task", "addition", "--out", str(tmp_path / "o")])
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and models.GGUF_INSTALL in err and len(err.splitlines()) == 1, err
+
+
+@needs_smollm2
+def test_packaged_weights_that_differ_from_the_tested_file_are_refused(tmp_path, monkeypatch, capsys):
+    """--model SmolLM2-135M loads the packaged GGUF only if its SHA-256 is the one recorded (the file
+    the project was tested with, which this install has: hashlib on the file gives it); another
+    file costs one line naming the fix, exit 2, nothing written. A .gguf path is the user's own."""
+    package, file, want = models.GGUF_MODELS["SmolLM2-135M"]
+    path = models.gguf_path("SmolLM2-135M")
+    with open(path, "rb") as f:
+        assert hashlib.sha256(f.read()).hexdigest() == want
+    monkeypatch.setitem(models.GGUF_MODELS, "SmolLM2-135M", (package, file, "0" * 64))
+    assert_refused_at_the_door(S.main, ["--model", "SmolLM2-135M", "--task", "addition"],
+                               "is not the weights file this project was tested with", tmp_path,
+                               monkeypatch, capsys)
+    assert models.gguf_path(path) == path  # its path, passed as a .gguf: not checked
 
 
 @needs_smollm2

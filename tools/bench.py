@@ -276,7 +276,7 @@ def partial_teacher_pass(model, tok, cfg, ro, own_prompt=False):
     prompts = S.teacher_prompts(tok, ro, batch)
     if own_prompt:
         prompts = [ro.prompts[b] for b in batch.question.tolist()]
-    return S.sc_credit(model, cfg, ro, dataclasses.replace(batch, context=prompts))[1]
+    return S.sc_credit(model, cfg, ro, dataclasses.replace(batch, teacher_prompt=prompts))[1]
 
 
 def gpu_check(args):
@@ -460,7 +460,7 @@ def shared_kv_cost(args):
                        temperature=0.8, micro_batch=args.micro_batch, fast=True, lr=0.0)
         ro = partial_rollout(args, model, tok, cfg, keep_states=not bf16)  # bf16 runs re-score
         batch = partial_batch(ro)
-        batch = dataclasses.replace(batch, context=S.teacher_prompts(tok, ro, batch))
+        batch = dataclasses.replace(batch, teacher_prompt=S.teacher_prompts(tok, ro, batch))
         batch, _ = S.sc_credit(model, cfg, ro, batch)
         opt = torch.optim.AdamW(model.parameters(), lr=0.0)
         ways = {"repeat_kv copies": "sdpa", "shared heads": models.SHARED_KV}

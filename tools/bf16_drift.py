@@ -52,7 +52,7 @@ def main(argv=None):
                          models.stop_ids(model, tok))
     ro.correct = torch.tensor([[1.0] * 3 + [0.0] * (G - 3)] * args.questions)
     batch = partial_batch(ro)
-    batch = dataclasses.replace(batch, context=S.teacher_prompts(tok, ro, batch))
+    batch = dataclasses.replace(batch, teacher_prompt=S.teacher_prompts(tok, ro, batch))
     scored = {}
     opt = torch.optim.SGD(model.parameters(), lr=0.0)  # training() needs one; it never steps here
     for name, bf16, copy in (("fp32", False, False), ("bf16", True, True), ("autocast", True, False)):

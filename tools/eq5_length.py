@@ -49,7 +49,7 @@ def routed_batch(ro, rng):
 
 def teacher_and_eq5(model, tok, cfg, ro, batch):
     """D, f(D) and Eq. (5) on a Batch, as scgrpo.train_step computes them. -> (Batch, the teacher's metrics)"""
-    return S.sc_credit(model, cfg, ro, dataclasses.replace(batch, context=S.teacher_prompts(tok, ro, batch)))
+    return S.sc_credit(model, cfg, ro, dataclasses.replace(batch, teacher_prompt=S.teacher_prompts(tok, ro, batch)))
 
 
 def ranks(xs):

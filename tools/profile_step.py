@@ -77,7 +77,7 @@ def main():
     G = cfg.group_size  # three answers of each group taken as correct: every group has a teacher
     ro.correct = torch.tensor([[1.0] * 3 + [0.0] * (G - 3)] * len(problems))
     batch = partial_batch(ro)
-    batch = dataclasses.replace(batch, context=S.teacher_prompts(tok, ro, batch))
+    batch = dataclasses.replace(batch, teacher_prompt=S.teacher_prompts(tok, ro, batch))
     batch = profiled("teacher", lambda: S.sc_credit(model, cfg, ro, batch), lines)[0]
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)  # lr 0: every pass sees one model
     order, slices, _ = S.micro_batches(batch, ro, cfg.micro_batch)

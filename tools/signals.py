@@ -47,7 +47,7 @@ def main():
             break
     refs = [S.pick_references(ok, r, rng) for ok, r in zip(ro.correct.bool().tolist(), group_routes)]
     batch = S.make_batch(ro, group_routes, S.group_advantages(ro.correct), refs)
-    batch = dataclasses.replace(batch, context=S.teacher_prompts(tok, ro, batch))
+    batch = dataclasses.replace(batch, teacher_prompt=S.teacher_prompts(tok, ro, batch))
     batch, stats = S.sc_credit(model, cfg, ro, batch)
     b = group_routes.index("partial")
     m = max((k for k in range(len(batch.route)) if int(batch.question[k]) == b),

@@ -94,7 +94,7 @@ def student_logprobs(model, cfg, ro, mb):
 
 def distill_loss(beta, seen):
     """The loss seam: L_GRPO (weights 1) + beta L_distill of a micro-batch, the teacher's prompt of
-    each answer in mb.context; seen: L_distill's parts, for the log."""
+    each answer in mb.teacher_prompt; seen: L_distill's parts, for the log."""
     def loss_of(model, cfg, ro, mb, old_logp=None):
         log_s, logp, ids, mask = student_logprobs(model, cfg, ro, mb)
         old_logp = logp.detach() if old_logp is None else old_logp  # mu = 1: rho = 1
@@ -104,7 +104,7 @@ def distill_loss(beta, seen):
                                         cfg.epsilon)
         taught = mb.scored.to(logp.device)                                         # (r,)
         if len(taught):
-            log_t = teacher_logprobs(model, cfg, [mb.context[k] for k in taught.tolist()],
+            log_t = teacher_logprobs(model, cfg, [mb.teacher_prompt[k] for k in taught.tolist()],
                                      ids[taught], mask[taught])                   # (r, L, V)
             div = divergence(log_t, log_s[taught], cfg.divergence, cfg.mix) * mask[taught]
             l_distill = (div.sum(1) * scale[taught]).sum()  # normalised as J: 1/(B G |o_i|)

@@ -86,10 +86,10 @@ def initial_policy(cfg, model):
 
 
 def opsd_loss(teacher):
-    """The loss seam: Eq. (2) of a micro-batch, its teacher (a model) after mb.context's prompts."""
+    """The loss seam: Eq. (2) of a micro-batch, its teacher (a model) after mb.teacher_prompt."""
     def loss_of(model, cfg, ro, mb, old_logp=None):
         log_s, _, ids, mask = student_logprobs(model, cfg, ro, mb)                # (b, L, V)
-        log_t = teacher_logprobs(teacher, cfg, mb.context, ids, mask)              # (b, L, V)
+        log_t = teacher_logprobs(teacher, cfg, mb.teacher_prompt, ids, mask)      # (b, L, V)
         div = divergence(log_t, log_s, cfg.divergence) * mask                      # (b, L)
         # Eq. (2): the mean over o_i's tokens, then over the step's B G answers (mb.loss_scale)
         return (div.sum(1) * mb.loss_scale.to(div.device)).sum(), 0
