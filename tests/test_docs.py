@@ -152,7 +152,8 @@ def test_source_reads_as_declared_and_help_comes_from_the_config(capsys):
 
 def test_the_fork_variants_readme_shows_is_the_file_the_suite_runs():
     """variants/README.md's 'Checking a fork' shows weight_floor.py's code and its test as they are
-    (each python block appears in its file, verbatim); the fork is at most 40 lines of code."""
+    (each python block appears in its file, verbatim); the fork is at most 40 lines of code, the
+    count README gives."""
     with open(os.path.join(HERE, "variants", "README.md"), encoding="utf-8") as f:
         blocks = re.findall(r"```python\n(.*?)```", f.read().split("## Checking a fork")[1], re.S)
     assert len(blocks) == 2
@@ -161,4 +162,16 @@ def test_the_fork_variants_readme_shows_is_the_file_the_suite_runs():
             src = f.read()
         assert block in src, name
     with open(os.path.join(HERE, "variants", "weight_floor.py"), encoding="utf-8") as f:
-        assert code_lines(f.read()) <= 40
+        n = code_lines(f.read())
+    with open(os.path.join(HERE, "README.md"), encoding="utf-8") as f:
+        assert n <= 40 and f"({n} lines of code)" in f.read()
+
+
+def test_readmes_test_command_is_what_ci_runs():
+    """The test command README shows (its first code block's second line) is the last line of
+    .ci/run, which CI runs in a fresh virtual environment."""
+    with open(os.path.join(HERE, "README.md"), encoding="utf-8") as f:
+        block = re.search(r"```bash\n(.*?)```", f.read(), re.S)[1].splitlines()
+    command = block[1].split("#")[0].strip()
+    with open(os.path.join(HERE, ".ci", "run"), encoding="utf-8") as f:
+        assert f.read().strip().splitlines()[-1] == command == "bash tools/test.sh"
