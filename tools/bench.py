@@ -489,6 +489,47 @@ def shared_kv_cost(args):
     print("\n".join(rows_out))
 
 
+def logprob_cost(args):
+    """The teacher pass returns, beside D, the teacher's and the student's log-probability of each
+    sampled token (for a fork's credit). On the fast path they cost what speed.teacher_kl adds for
+    them: a row of the LM head per token and two dot products a token (the normalisers come from
+    head_kl anyway); on the plain lines, two gathers from log-softmaxes already there. Timed on one
+    batch, fp32 (student from the sampler's states) and bf16 (re-scored): the whole teacher pass
+    (scgrpo.teacher_pass) and those added lines alone on tensors of the same size, alternating,
+    after one untimed round, the median of 5; 3 of each group's answers taken as correct."""
+    rows_out = []
+    for bf16 in (False, True):
+        model, tok = models.load_model(args.model, 0)
+        runs.set_up_passes(model.eval(), torch.device("cpu"), bf16, fast=True)  # as a --fast run does
+        cfg = S.Config(algo="scgrpo", group_size=args.group_size, max_new_tokens=args.max_new_tokens,
+                       temperature=0.8, micro_batch=args.micro_batch, fast=True)
+        ro = partial_rollout(args, model, tok, cfg, keep_states=not bf16)  # bf16 runs re-score
+        batch = partial_batch(ro)
+        batch = dataclasses.replace(batch, teacher_prompt=S.teacher_prompts(tok, ro, batch))
+        head = models.no_grad_model(model).get_output_embeddings()
+        ids = ro.ids[batch.row][batch.active]                                      # (n,)
+        h = torch.randn(len(ids), head.weight.shape[1])                            # (n, H)
+
+        def added():  # speed.teacher_kl's lines for the log-probs, on the same sizes
+            w = head.weight[ids]
+            return [speed.target_logits(h / 0.8, w) - 1.0 for _ in (0, 1)]
+        times = {"teacher pass": [], "log-prob lines": []}
+        for r in range(6):
+            for name, fn in times.items():
+                t0 = time.time()
+                S.teacher_pass(model, cfg, ro, batch) if name == "teacher pass" else added()
+                if r:
+                    fn.append(time.time() - t0)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        rows_out.append(f"| {'bf16' if bf16 else 'fp32'} | {len(ids)} | {med['teacher pass']:.3f} | "
+                        f"{med['log-prob lines'] * 1e3:.2f} | {med['log-prob lines'] / med['teacher pass']:.4f} |")
+    print(f"\n{machinery.machine().strip()}, {torch.get_num_threads()} threads; {args.model_name}, "
+          f"{args.prompts_per_step} x {args.group_size} answers x {args.max_new_tokens} tokens, micro-batch "
+          f"{args.micro_batch}, fast path; median of 5\n")
+    print("| dtype | scored tokens | teacher pass (s) | the log-prob lines (ms) | their share |\n|---|---|---|---|---|")
+    print("\n".join(rows_out))
+
+
 def timed(fn, *a, **k):
     """fn(*a, **k) -> (its result, seconds)."""
     t0 = time.time()
@@ -617,7 +658,7 @@ def output_name(args):
     if args.gpu_check:
         return "gpu_check" + ("_small" if args.small else "")
     what = next((k for k in ("rescore_cost", "decode_attention_cost", "shared_kv_cost", "compile_cost",
-                             "teacher_tokens") if getattr(args, k)), "bench")
+                             "teacher_tokens", "logprob_cost") if getattr(args, k)), "bench")
     model = "".join(c if c.isalnum() else "_" for c in args.model.lower().replace("-135m", "")).strip("_")
     return f"{what.replace('_cost', '')}_{model}_{args.prompts_per_step}q"
 
@@ -666,6 +707,8 @@ def main():
     ap.add_argument("--compile-cost", action=argparse.BooleanOptionalAction, default=False,
                     help="a CPU: sampling and the teacher eager and under torch.compile over one "
                     "preset run's calls (see compile_cost)")
+    ap.add_argument("--logprob-cost", action=argparse.BooleanOptionalAction, default=False,
+                    help="a CPU: the teacher pass against its lines for the log-probs (see logprob_cost)")
     ap.add_argument("--shared-kv-cost", action=argparse.BooleanOptionalAction, default=False,
                     help="a CPU: teacher and update with and without repeat_kv's copies (see shared_kv_cost)")
     # the same names as scgrpo.py's flags for the same settings
@@ -703,6 +746,8 @@ def main():
         return decode_attention_cost(args)
     if args.shared_kv_cost:
         return shared_kv_cost(args)
+    if args.logprob_cost:
+        return logprob_cost(args)
     if args.compile_cost:
         return compile_cost(args)
     if args.teacher_tokens:

@@ -92,7 +92,7 @@ STUDIES = {
                                     "--steps", "12", "--eval-every", "4", "--eval-k", "0", "--log-update-size",
                                     "--dtype", "fp32"],
                              seeds=[100], reach=None, gain=0.10, confirm_set=True,
-                             arms=["grpo", "scgrpo", "distill", "opsd", "rlsd", "rlsd-self"]),
+                             arms=["grpo", "scgrpo", "distill", "opsd", "opsd-current", "rlsd", "rlsd-self"]),
     # Whether --dtype auto may pick bf16 on a CPU, its learning half (docs/speed.md, fixed before the
     # runs): the SmolLM2 preset's SC-GRPO in fp32 and in bf16 on 3 new paired seeds, each final model
     # scored greedily on the 1,000 confirmatory sums (`confirm_set`); bf16_check reads them.
