@@ -183,3 +183,12 @@ def assert_same_gradients(got, want, rtol=1e-3):
         w = torch.zeros_like(g) if w is None else w
         err = float((g - w).norm() / max(float(w.norm()), 1e-12))
         assert err < rtol or float(w.norm()) == float(g.norm()) == 0.0, err
+
+
+def bad_input_test(main, cases):
+    """A test of a program's command line (main: its main(argv)): each (argv, the words the one
+    error line must hold) of `cases` exits 2 with that one line and writes nothing."""
+    @pytest.mark.parametrize("args,needle", cases, ids=[" ".join(a) for a, _ in cases])
+    def test(args, needle, tmp_path, monkeypatch, capsys):
+        assert_refused_at_the_door(main, args, needle, tmp_path, monkeypatch, capsys)
+    return test

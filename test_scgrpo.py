@@ -37,6 +37,16 @@ def with_teacher(model, tok, cfg, ro, batch):
     return S.sc_credit(model, cfg, ro, dataclasses.replace(batch, teacher_prompt=S.teacher_prompts(tok, ro, batch)))
 
 
+def taught_step(model, tok, cfg, verdicts, routes):
+    """Answers to two arith questions sampled at T = 1 (seed 3), the verifier's verdicts replaced by
+    `verdicts` (B, G), routed by `routes`, through with_teacher. -> (Rollout, Batch, metrics)"""
+    ro = S.sample_groups(model, tok, cfg, tasks.make_arith()[0][:2], cfg.group_size, 1.0,
+                         torch.Generator().manual_seed(3), [0])
+    ro.correct = torch.tensor(verdicts)
+    batch = S.make_batch(ro, routes, S.group_advantages(ro.correct), draw_references(ro, routes, random.Random(0)))
+    return (ro, *with_teacher(model, tok, cfg, ro, batch))
+
+
 # The plain reference step -------------------------------------------------------------------------
 # One whole update written a second time, as plainly as possible, from ../shared/PAPER_NOTES.md
 # and the readings marked "our reading" in scgrpo.py. It shares nothing with the code it checks but
@@ -232,6 +242,15 @@ def project_step(algo, monkeypatch, lr, micro_batch=3, epochs=2, seed=0, fast=Tr
     return ro, batch, metrics, opt.seen
 
 
+def references_drawn(batch):
+    """{(b, i): j}: the reference j (an index within the group) that answer i of REF_TABLE's question
+    b drew in the code under test, always of its own question (the draws are random; the rule they
+    must obey is reference_credit's to check)."""
+    drawn = [(int(n), int(j)) for n, j in zip(batch.row, batch.ref_row) if j >= 0]
+    assert all(n // REF_G == j // REF_G for n, j in drawn)  # the same question
+    return {divmod(n, REF_G): j % REF_G for n, j in drawn}
+
+
 def by_answer(ro, batch):
     """{(question, i): batch row index} for the answers the update received."""
     G = ro.correct.shape[1]
@@ -255,11 +274,7 @@ def check_against_reference(algo, monkeypatch, micro_batch=3, fast=True, eps_hig
     questions, answers, correct = ([x[k] for x in REF_TABLE] for k in range(3))
     G = REF_G
     if algo == "scgrpo":
-        refs = {}
-        for (q, i), m in at.items():
-            if int(batch.ref_row[m]) >= 0:
-                refs[questions.index(q), i] = int(batch.ref_row[m]) % G
-                assert int(batch.ref_row[m]) // G == int(batch.row[m]) // G  # same question
+        refs = references_drawn(batch)
         routes, adv, weights, c = reference_credit(model, tok, questions, answers, correct, refs)
         assert routes == ["partial", "solve_none", "fallback", "skip"]
         o_r = answers[1][refs[1, min(i for b, i in refs if b == 1)]]
@@ -426,11 +441,8 @@ def test_teacher_d_equals_one_teacher_forward_per_answer(tiny):
     after its own teacher prompt, full forward, KL against the sampler's student states."""
     model, tok = tiny
     cfg = S.Config(fast=True, algo="scgrpo", group_size=4, max_new_tokens=3, micro_batch=3)
-    ro = S.sample_groups(model, tok, cfg, tasks.make_arith()[0][:2], 4, 1.0, torch.Generator().manual_seed(3), [0])
-    ro.correct = torch.tensor([[1.0, 1.0, 0.0, 1.0], [0.0, 0.0, 0.0, 0.0]])
-    routes = ["partial", "solve_none"]
-    batch = S.make_batch(ro, routes, S.group_advantages(ro.correct), draw_references(ro, routes, random.Random(0)))
-    batch, stats = with_teacher(model, tok, cfg, ro, batch)
+    ro, batch, stats = taught_step(model, tok, cfg, [[1.0, 1.0, 0.0, 1.0], [0.0, 0.0, 0.0, 0.0]],
+                                   ["partial", "solve_none"])
     assert len(batch.route) == 7
     head = model.get_output_embeddings()
     plain = {}
@@ -486,14 +498,10 @@ def test_c_is_the_quantile_the_flag_names(tiny):
     """--kl-quantile reaches sc_weights: with 0.5, c is the median of the step's active D (from the
     batch's own kl), not the paper's P75."""
     model, tok = tiny
-    rows = tasks.make_arith()[0][:2]
     for q in (0.5, 0.75):
         cfg = S.Config(fast=True, algo="scgrpo", group_size=4, max_new_tokens=3, micro_batch=16, kl_quantile=q)
-        ro = S.sample_groups(model, tok, cfg, rows, 4, 1.0, torch.Generator().manual_seed(3), [0])
-        ro.correct = torch.tensor([[1.0, 1.0, 0.0, 1.0], [1.0, 0.0, 1.0, 0.0]])
-        routes = ["partial", "partial"]
-        batch = S.make_batch(ro, routes, S.group_advantages(ro.correct), draw_references(ro, routes, random.Random(0)))
-        batch, stats = with_teacher(model, tok, cfg, ro, batch)
+        _, batch, stats = taught_step(model, tok, cfg, [[1.0, 1.0, 0.0, 1.0], [1.0, 0.0, 1.0, 0.0]],
+                                      ["partial", "partial"])
         assert stats["c"] == pytest.approx(float(torch.quantile(batch.kl[batch.active], q)), rel=1e-6)
 
 
@@ -509,11 +517,8 @@ def test_nonfinite_kl_gets_weight_zero_is_left_out_of_c_and_is_said(tiny, monkey
         return d, logp_t, logp_s
     monkeypatch.setattr(S, "teacher_kl", one_nan)
     cfg = S.Config(fast=True, algo="scgrpo", group_size=4, max_new_tokens=3, micro_batch=16)
-    ro = S.sample_groups(model, tok, cfg, tasks.make_arith()[0][:2], 4, 1.0, torch.Generator().manual_seed(3), [0])
-    ro.correct = torch.tensor([[1.0, 1.0, 0.0, 1.0], [1.0, 1.0, 0.0, 0.0]])
-    routes = ["partial", "partial"]
-    batch = S.make_batch(ro, routes, S.group_advantages(ro.correct), draw_references(ro, routes, random.Random(0)))
-    batch, stats = with_teacher(model, tok, cfg, ro, batch)
+    _, batch, stats = taught_step(model, tok, cfg, [[1.0, 1.0, 0.0, 1.0], [1.0, 1.0, 0.0, 0.0]],
+                                  ["partial", "partial"])
     assert stats["kl_nonfinite"] == 1 and math.isfinite(stats["c"]) and math.isfinite(stats["kl_p95"])
     assert torch.isfinite(batch.weights).all() and (batch.weights[batch.kl.isnan()] == 0).all()
     assert "1 non-finite KL values" in capsys.readouterr().out
@@ -602,11 +607,7 @@ def test_step_diagnostics_split_the_gradient_and_measure_the_update(monkeypatch)
     model, tok = models.make_tiny(0)
     theta_0 = float(torch.cat([p.detach().flatten() for p in model.parameters()]).norm())
     questions, answers, correct = ([x[k] for x in REF_TABLE] for k in range(3))
-    at, refs = by_answer(ro, batch), {}
-    for (q, i), m in at.items():
-        if int(batch.ref_row[m]) >= 0:
-            refs[questions.index(q), i] = int(batch.ref_row[m]) % REF_G
-    _, adv, weights, _ = reference_credit(model, tok, questions, answers, correct, refs)
+    _, adv, weights, _ = reference_credit(model, tok, questions, answers, correct, references_drawn(batch))
     norms = []
     for keep in (lambda b: b == 1, lambda b: True):  # group 1 is the solve-none one
         grads, _ = reference_update(model, tok, questions, answers, adv, {k: w for k, w in weights.items()

@@ -17,7 +17,8 @@ from machinery import models  # noqa: E402
 import scgrpo as S  # noqa: E402
 from conftest import (HERE, ONE_THREAD, SUBPROCESS_TIMEOUT, assert_refused_at_the_door, needs,  # noqa: E402
                       needs_trl, softcapped_model)
-from test_scgrpo import REF_G, REF_MAX_NEW, REF_T, REF_TABLE, reference_credit, reference_update  # noqa: E402
+from test_scgrpo import (REF_G, REF_MAX_NEW, REF_T, REF_TABLE, reference_credit, reference_update,  # noqa: E402
+                         references_drawn)
 
 
 def trl_fixed_step(model, tok, out_dir, rewards=None, process=(0, 1), **config):
@@ -60,8 +61,7 @@ def trl_reference(model, tok, batch):
     """The plain reference's per-token advantages A_i f(D_it) (N, REF_MAX_NEW) for the
     references that `batch` drew, and the reference's (adv, weights)."""
     questions, answers, correct = ([x[k] for x in REF_TABLE] for k in range(3))
-    refs = {divmod(int(n), REF_G): int(j) % REF_G for n, j in zip(batch.row, batch.ref_row) if j >= 0}
-    routes, adv, weights, c = reference_credit(model, tok, questions, answers, correct, refs)
+    routes, adv, weights, c = reference_credit(model, tok, questions, answers, correct, references_drawn(batch))
     assert routes == ["partial", "solve_none", "fallback", "skip"]
     want = torch.zeros(len(REF_TABLE) * REF_G, REF_MAX_NEW)
     for (b, i), w in weights.items():

@@ -6,7 +6,7 @@ import torch
 from machinery import tasks
 from variants import dapo
 import scgrpo as S
-from conftest import assert_refused_at_the_door, check_step_lines, run_ok
+from conftest import bad_input_test, check_step_lines, run_ok
 from test_scgrpo import check_against_reference, loss_inputs
 
 DAPO = dict(Config=dapo.Config, step=dapo.dapo_step, max_rounds=1, eps_high=0.28, token_level=True)
@@ -90,17 +90,12 @@ def test_tiny_dapo_run_completes(tmp_path):
     check_step_lines(train, "dapo", 16, 16)
 
 
-BAD_INPUT = [
+# DAPO's own flags are checked by the same rules as scgrpo.py's (its Config's rule).
+test_bad_input_exits_2_with_one_line_and_writes_nothing = bad_input_test(dapo.main, [
     (["--max-rounds", "0"], "--max-rounds 0 is out of range: it must be at least 1"),
     (["--epsilon-high", "-0.1"], "--epsilon-high -0.1 is out of range: it must be > 0"),
     (["--overlong-buffer", "-2"], "--overlong-buffer -2 is out of range: it must be -1, or 0 to"),
     (["--overlong-buffer", "2"], "--overlong-buffer 2 is out of range"),  # the tiny cap is 2
     (["--algo", "scgrpo"], "--algo: invalid choice: 'scgrpo'"),
     (["--lr", "0"], "--lr 0.0 is out of range: it must be > 0"),  # scgrpo.py's checks too
-]  # (argv, the words the one error line must hold)
-
-
-@pytest.mark.parametrize("args,needle", BAD_INPUT, ids=[" ".join(a) for a, _ in BAD_INPUT])
-def test_bad_input_exits_2_with_one_line_and_writes_nothing(args, needle, tmp_path, monkeypatch, capsys):
-    """DAPO's own flags are checked by the same rules as scgrpo.py's (its Config's rule)."""
-    assert_refused_at_the_door(dapo.main, args, needle, tmp_path, monkeypatch, capsys)
+])

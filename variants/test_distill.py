@@ -10,8 +10,8 @@ import torch
 from machinery import models
 from variants import distill
 import scgrpo as S
-from conftest import assert_refused_at_the_door, assert_same_gradients, plain_divergence, run_ok
-from test_scgrpo import REF_G, REF_TABLE, grpo_credit, project_step, ref_logprobs
+from conftest import assert_same_gradients, bad_input_test, plain_divergence, run_ok
+from test_scgrpo import REF_G, REF_TABLE, grpo_credit, project_step, ref_logprobs, references_drawn
 
 DISTILL = dict(Config=distill.Config, step=distill.distill_step)
 
@@ -45,7 +45,7 @@ def plain_distill_gradients(batch, cfg, beta=0.1):
     questions, answers, correct = ([x[k] for x in REF_TABLE] for k in range(3))
     G, B = REF_G, len(REF_TABLE)
     adv, keep = grpo_credit(correct)  # Eq. (1); keep: groups of unequal rewards
-    ref_of = {divmod(int(n), G): int(j) % G for n, j in zip(batch.row, batch.ref_row) if j >= 0}
+    ref_of = references_drawn(batch)
     total = 0.0
     for b in range(B):
         if not (keep[b] and sum(correct[b]) > 0):  # skipped: equal rewards, or solve-none
@@ -105,14 +105,9 @@ def test_its_run_logs_beta_and_l_distill_and_names_its_program(tmp_path):
     assert json.loads((tmp_path / "distill" / "config.json").read_text())["program"] == "variants/distill.py"
 
 
-BAD_INPUT = [
+# distill's own flags are checked by the same rules as scgrpo.py's (its Config's rule).
+test_bad_input_exits_2_with_one_line_and_writes_nothing = bad_input_test(distill.main, [
     (["--beta", "-0.1"], "--beta -0.1 is out of range: it must be >= 0"),
     (["--beta-start", "-0.5"], "--beta-start -0.5 is out of range: it must be -1, or >= 0"),
     (["--mix", "1.5"], "--mix 1.5 is out of range: it must be in [0, 1]"),
-]  # (argv, the words the one error line must hold)
-
-
-@pytest.mark.parametrize("args,needle", BAD_INPUT, ids=[" ".join(a) for a, _ in BAD_INPUT])
-def test_bad_input_exits_2_with_one_line_and_writes_nothing(args, needle, tmp_path, monkeypatch, capsys):
-    """distill's own flags are checked by the same rules as scgrpo.py's (its Config's rule)."""
-    assert_refused_at_the_door(distill.main, args, needle, tmp_path, monkeypatch, capsys)
+])

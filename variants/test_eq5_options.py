@@ -10,7 +10,7 @@ from machinery import models
 from machinery import tasks
 from variants import eq5_options
 import scgrpo as S
-from conftest import assert_refused_at_the_door
+from conftest import bad_input_test
 from test_scgrpo import REF_G, REF_MAX_NEW, REF_T, REF_TABLE, draw_references, fixed_rollout, project_step
 
 STEP = functools.partial(S.train_step, credit=eq5_options.eq5_credit)  # as its main() runs it
@@ -110,14 +110,9 @@ def test_eq5_options_with_no_flag_are_scgrpo_py(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(g_a[0], g_b[0]))
 
 
-BAD_INPUT = [
+# The options' own flags are checked by the same rules as scgrpo.py's (choices).
+test_bad_input_exits_2_with_one_line_and_writes_nothing = bad_input_test(eq5_options.main, [
     (["--eq5-score", "copy"], "--eq5-score: invalid choice: 'copy'"),
     (["--eq5-window", "all"], "--eq5-window: invalid choice: 'all'"),
     (["--eq5-only-step", "never"], "--eq5-only-step: invalid choice: 'never'"),
-]  # (argv, the words the one error line must hold)
-
-
-@pytest.mark.parametrize("args,needle", BAD_INPUT, ids=[" ".join(a) for a, _ in BAD_INPUT])
-def test_bad_input_exits_2_with_one_line_and_writes_nothing(args, needle, tmp_path, monkeypatch, capsys):
-    """The options' own flags are checked by the same rules as scgrpo.py's (choices)."""
-    assert_refused_at_the_door(eq5_options.main, args, needle, tmp_path, monkeypatch, capsys)
+])

@@ -10,7 +10,7 @@ import torch
 from machinery import models
 from variants import opsd
 import scgrpo as S
-from conftest import assert_refused_at_the_door, assert_same_gradients, plain_divergence, read_metrics
+from conftest import assert_same_gradients, bad_input_test, plain_divergence, read_metrics
 from test_scgrpo import REF_G, REF_TABLE, project_step, ref_logprobs
 
 OPSD = dict(Config=opsd.Config, step=opsd.opsd_step)
@@ -106,13 +106,8 @@ def test_its_run_names_its_program_and_its_teacher(tmp_path):
         assert config["program"] == "variants/opsd.py" and config["opsd_teacher"] == teacher
 
 
-BAD_INPUT = [
+# OPSD's own flags are checked by the same rules as scgrpo.py's (choices).
+test_bad_input_exits_2_with_one_line_and_writes_nothing = bad_input_test(opsd.main, [
     (["--divergence", "reverse"], "--divergence: invalid choice: 'reverse'"),
     (["--opsd-teacher", "gold"], "--opsd-teacher: invalid choice: 'gold'"),
-]  # (argv, the words the one error line must hold)
-
-
-@pytest.mark.parametrize("args,needle", BAD_INPUT, ids=[" ".join(a) for a, _ in BAD_INPUT])
-def test_bad_input_exits_2_with_one_line_and_writes_nothing(args, needle, tmp_path, monkeypatch, capsys):
-    """OPSD's own flags are checked by the same rules as scgrpo.py's (choices)."""
-    assert_refused_at_the_door(opsd.main, args, needle, tmp_path, monkeypatch, capsys)
+])

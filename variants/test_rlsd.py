@@ -9,8 +9,8 @@ import torch
 from machinery import models
 from variants import rlsd
 import scgrpo as S
-from conftest import assert_refused_at_the_door, assert_same_gradients, read_metrics
-from test_scgrpo import REF_G, REF_TABLE, grpo_credit, project_step, ref_logprobs
+from conftest import assert_same_gradients, bad_input_test, read_metrics
+from test_scgrpo import REF_G, REF_TABLE, grpo_credit, project_step, ref_logprobs, references_drawn
 
 RLSD = dict(Config=rlsd.Config, step=rlsd.rlsd_step)
 
@@ -49,7 +49,7 @@ def plain_rlsd_gradients(batch, teacher):
     questions, answers, correct = ([x[k] for x in REF_TABLE] for k in range(3))
     G, B = REF_G, len(REF_TABLE)
     adv, keep = grpo_credit(correct)  # Eq. (1); keep: groups of unequal rewards
-    ref_of = {divmod(int(n), G): int(j) % G for n, j in zip(batch.row, batch.ref_row) if j >= 0}
+    ref_of = references_drawn(batch)
     total = 0.0
     for b in range(B):
         if not keep[b] or sum(correct[b]) == 0:  # equal rewards (solve-none too): no gradient
@@ -114,15 +114,10 @@ def test_its_run_logs_lambda_by_the_optimizer_steps_and_names_its_program(tmp_pa
         assert json.loads((folder / "config.json").read_text())["program"] == "variants/rlsd.py"
 
 
-BAD_INPUT = [
+# RLSD's own flags are checked by the same rules as scgrpo.py's (its Config's rule).
+test_bad_input_exits_2_with_one_line_and_writes_nothing = bad_input_test(rlsd.main, [
     (["--rlsd-eps-w", "1"], "--rlsd-eps-w 1.0 is out of range: it must be in [0, 1)"),
     (["--rlsd-lambda", "2"], "--rlsd-lambda 2.0 is out of range: it must be in [0, 1]"),
     (["--rlsd-lambda-decay-steps", "-1"], "--rlsd-lambda-decay-steps -1 is out of range"),
     (["--teacher", "other"], "--teacher: invalid choice: 'other'"),
-]  # (argv, the words the one error line must hold)
-
-
-@pytest.mark.parametrize("args,needle", BAD_INPUT, ids=[" ".join(a) for a, _ in BAD_INPUT])
-def test_bad_input_exits_2_with_one_line_and_writes_nothing(args, needle, tmp_path, monkeypatch, capsys):
-    """RLSD's own flags are checked by the same rules as scgrpo.py's (its Config's rule)."""
-    assert_refused_at_the_door(rlsd.main, args, needle, tmp_path, monkeypatch, capsys)
+])
