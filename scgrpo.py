@@ -346,7 +346,7 @@ def teacher_kl(model, cfg, ro, rows, prompts, prompt_of, ids, active):
     same model, Eq. 4) after prompts[prompt_of] (b,); ids, active (b, L). -> D, and log p_teacher
     and log p_student of each sampled token (a fork's credit may want them), each (n,)"""
     model = no_grad_model(model)  # --dtype bf16: the bf16 weights (no gradient flows here)
-    if cfg.fast:  # speed.teacher_kl in place of the five statements below
+    if cfg.fast:  # speed.teacher_kl in place of the six statements below
         return speed.teacher_kl(model, ro, rows, prompts, prompt_of, ids, active, cfg.temperature)
     student = forward_answers(model, [ro.prompts[b] for b in (rows // ro.G).tolist()], ids, active)
     teacher = forward_answers(model, [prompts[k] for k in prompt_of.tolist()], ids, active)
