@@ -334,6 +334,23 @@ def pytest(folder, *args, stop_early=True, timeout=3600):
     return r.returncode == 0, failed or ([] if r.returncode == 0 else [f"exit {r.returncode}"])
 
 
+def suite_order(mutated):
+    """Every test file, those beside the mutated file first: the verdict is the same in any order
+    (a mutant is killed when some test fails), but -x stops sooner when the nearest tests run
+    first. A variant's tests sit beside it; the rest's in tests/ (the machinery's in test_runs.py)."""
+    files = ["test_scgrpo.py", *sorted(f"tests/{n}" for n in os.listdir(os.path.join(ROOT, "tests"))
+                                       if n.startswith("test_")),
+             *sorted(f"variants/{n}" for n in os.listdir(os.path.join(ROOT, "variants"))
+                     if n.startswith("test_"))]
+    folder, name = os.path.split(mutated)
+    near = {"machinery/speed.py": "tests/test_fast_path.py",
+            "machinery/static_sampler.py": "tests/test_fast_path.py",
+            "tools/compare.py": "tests/test_tools.py", "trl_scgrpo.py": "tests/test_trl.py",
+            "README.md": "tests/test_docs.py", "scgrpo.py": "test_scgrpo.py"}.get(
+        mutated, f"variants/test_{name}" if folder == "variants" else "tests/test_runs.py")
+    return sorted(files, key=lambda f: f != near)  # a stable sort: the rest keep their order
+
+
 def check(k):
     """Mutant k -> (k, applied, killed by (first failing test or ''), named weak tests that
     passed, seconds)."""
@@ -345,7 +362,7 @@ def check(k):
             ".git", ".ci", "runs", "__pycache__", ".pytest_cache"))  # pictures too: the docs test links them
         if not apply(folder, file, old, new):
             return k, False, "", [], time.time() - t0
-        passed, failed = pytest(folder)
+        passed, failed = pytest(folder, *suite_order(file))
         survivors = []
         if weak:  # all named tests in one run, without -x: each must fail on its own
             _, weak_failed = pytest(folder, *weak, stop_early=False)
