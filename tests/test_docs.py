@@ -4,6 +4,8 @@ import dataclasses
 import glob
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -169,9 +171,30 @@ def test_the_fork_variants_readme_shows_is_the_file_the_suite_runs():
 
 def test_readmes_test_command_is_what_ci_runs():
     """The test command README shows (its first code block's second line) is the last line of
-    .ci/run, which CI runs in a fresh virtual environment."""
+    .ci/run, which CI runs in a fresh virtual environment, and the number of tests it says is
+    the number pytest collects."""
     with open(os.path.join(HERE, "README.md"), encoding="utf-8") as f:
         block = re.search(r"```bash\n(.*?)```", f.read(), re.S)[1].splitlines()
-    command = block[1].split("#")[0].strip()
+    command, said = block[1].split("#")
     with open(os.path.join(HERE, ".ci", "run"), encoding="utf-8") as f:
-        assert f.read().strip().splitlines()[-1] == command == "bash tools/test.sh"
+        assert f.read().strip().splitlines()[-1] == command.strip() == "bash tools/test.sh"
+    collected = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p",
+                                "no:cacheprovider"], cwd=HERE, capture_output=True, text=True)
+    n = re.search(r"(\d+) tests? collected", collected.stdout)[1]
+    assert f" then {n} tests:" in said
+
+
+def test_readmes_quick_start_numbers_are_its_logs():
+    """README's quick start line and the sentence under it say what docs/quickstart.log recorded:
+    the same command (the log's first line), its wall time (`time`'s real line) and the greedy
+    accuracy of its first and last evaluations."""
+    with open(os.path.join(HERE, "README.md"), encoding="utf-8") as f:
+        readme = f.read()
+    command, said = re.search(r"```bash\n(.*?)```", readme, re.S)[1].splitlines()[0].split("#")
+    with open(os.path.join(HERE, "docs", "quickstart.log"), encoding="utf-8") as f:
+        log = f.read()
+    assert log.splitlines()[0].split("#")[0].strip() == "$ time " + command.split("&&")[-1].strip()
+    minutes, seconds = re.search(r"^real\s+(\d+)m([\d.]+)s$", log, re.M).groups()
+    assert f"{minutes} min {round(float(seconds))} s on 2 CPU cores" in said
+    accs = re.findall(r"^eval step \d+ \| greedy acc ([\d.]+)", log, re.M)
+    assert f"from {float(accs[0]):.2f} to {float(accs[-1]):.2f}." in readme
