@@ -170,12 +170,13 @@ def test_the_fork_variants_readme_shows_is_the_file_the_suite_runs():
 
 
 def test_readmes_test_command_is_what_ci_runs(request):
-    """The test command README shows (in its first code block) is the last line of
-    .ci/run, which CI runs in a fresh virtual environment, and the number of tests it says is
-    the number pytest collects (this session's, when it holds every test file unfiltered; else
-    a collection of its own)."""
+    """The test command README shows (in its first code block) is the last line of .ci/run,
+    which CI runs in a fresh virtual environment, and the number of tests it (and the status
+    line) says is the number pytest collects (this session's, when it holds every test file
+    unfiltered; else a collection of its own)."""
     with open(os.path.join(HERE, "README.md"), encoding="utf-8") as f:
-        block = re.search(r"```bash\n(.*?)```", f.read(), re.S)[1].splitlines()
+        readme = f.read()
+    block = re.search(r"```bash\n(.*?)```", readme, re.S)[1].splitlines()
     command, said = next(line for line in block if "tools/test.sh" in line).split("#")
     with open(os.path.join(HERE, ".ci", "run"), encoding="utf-8") as f:
         assert f.read().strip().splitlines()[-1] == command.strip() == "bash tools/test.sh"
@@ -189,7 +190,7 @@ def test_readmes_test_command_is_what_ci_runs(request):
         collected = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p",
                                     "no:cacheprovider"], cwd=HERE, capture_output=True, text=True)
         n = int(re.search(r"(\d+) tests? collected", collected.stdout)[1])
-    assert f" then {n} tests:" in said
+    assert f" then {n} tests:" in said and set(re.findall(r"(\d+) tests\b", readme)) == {str(n)}
 
 
 def test_readmes_quick_start_numbers_are_its_logs():
@@ -207,3 +208,35 @@ def test_readmes_quick_start_numbers_are_its_logs():
     assert f"{minutes} min {round(float(seconds))} s on 2 CPU cores" in said
     accs = re.findall(r"^eval step \d+ \| greedy acc ([\d.]+)", log, re.M)
     assert f"from {float(accs[0]):.2f} to {float(accs[-1]):.2f} (one seed)." in readme
+
+
+def test_readmes_commands_name_programs_files_and_flags_that_exist():
+    """Each command in README's bash blocks names what exists: every `python PROGRAM` is a file,
+    each --flag after it is in that program's --help, every `-r FILE` is a file, and each pinned
+    package is pinned alike in tools/test.sh or requirements.txt. Whether they run as shown is
+    checked by running them (the quick start's log; for the others, the issues' notes)."""
+    with open(os.path.join(HERE, "README.md"), encoding="utf-8") as f:
+        blocks = re.findall(r"```bash\n(.*?)```", f.read(), re.S)
+    pins = ""
+    for name in ("tools/test.sh", "requirements.txt"):
+        with open(os.path.join(HERE, name), encoding="utf-8") as f:
+            pins += f.read()
+    flags = {}
+    lines = [line.split("#")[0] for block in blocks for line in block.splitlines()]
+    for command in (c for line in lines for c in line.split("&&")):
+        words = command.split()
+        if words[:1] == ["python"]:
+            wanted = {w.split("=")[0] for w in words[2:] if w.startswith("--")}
+            flags.setdefault(words[1], set()).update(wanted)
+        for i, word in enumerate(words):
+            if word == "-r":
+                assert os.path.isfile(os.path.join(HERE, words[i + 1])), words[i + 1]
+            if "==" in word and words[0] == "pip":
+                assert word in pins, word
+    assert {"scgrpo.py", "tools/plot.py", "tools/compare.py"} <= set(flags)
+    for program, wanted in flags.items():
+        assert os.path.isfile(os.path.join(HERE, program)), program
+        shown = subprocess.run([sys.executable, program, "--help"], cwd=HERE, capture_output=True,
+                               text=True, timeout=120)
+        assert shown.returncode == 0, (program, shown.stderr[-500:])
+        assert not {f for f in wanted if not re.search(rf"{re.escape(f)}\b", shown.stdout)}, program
