@@ -16,14 +16,24 @@ import scgrpo as S
 from conftest import HERE
 
 
+def project_text(*path):
+    """The text of a file of the project, by its path's parts."""
+    with open(os.path.join(HERE, *path), encoding="utf-8") as f:
+        return f.read()
+
+
+def bash_blocks(markdown):
+    """The bodies of a Markdown text's bash code blocks, in order."""
+    return re.findall(r"```bash\n(.*?)```", markdown, re.S)
+
+
 def test_readme_reading_table_names_what_scgrpo_defines_in_its_order():
     """docs/notes.md's 'Reading the code' table: every name in it is defined at the top level of
     scgrpo.py (a def, a class or an assignment), in the table's order, and the line counts there
     and in README are the file's."""
-    with open(os.path.join(HERE, "docs", "notes.md"), encoding="utf-8") as f:
-        section = f.read().split("## Reading the code")[1].split("A test holds")[0]
-    with open(os.path.join(HERE, "scgrpo.py"), encoding="utf-8") as f:
-        src = f.read()
+    notes = project_text("docs", "notes.md")
+    section = notes.split("## Reading the code")[1].split("A test holds")[0]
+    src = project_text("scgrpo.py")
     lines = src.splitlines()
     names = re.findall(r"`([A-Za-z_]\w*)`", section)
     assert len(names) >= 25, names
@@ -33,8 +43,7 @@ def test_readme_reading_table_names_what_scgrpo_defines_in_its_order():
         assert found, name
         at.append(found[0])
     assert at == sorted(at), [n for n, a, b in zip(names, at, sorted(at)) if a != b]
-    with open(os.path.join(HERE, "README.md"), encoding="utf-8") as f:
-        readme = f.read()
+    readme = project_text("README.md")
     for text in (section, readme):
         counts = re.search(r"\(([\d,]+) lines, ([\d,]+) of them code\)", text)
         assert (int(counts[1].replace(",", "")), int(counts[2].replace(",", ""))) == (len(lines), code_lines(src))
@@ -74,8 +83,7 @@ def test_docs_links_resolve_the_index_lists_every_page_and_readme_fits_a_page():
             if not os.path.exists(full) or (anchor and full.endswith(".md") and anchor not in heading_anchors(full)):
                 broken.append(f"{os.path.relpath(page, HERE)}: {target}")
     assert broken == []
-    with open(os.path.join(HERE, "docs", "README.md"), encoding="utf-8") as f:
-        index = f.read()
+    index = project_text("docs", "README.md")
     linked = {os.path.normpath(os.path.join(HERE, "docs", t.partition("#")[0]))
               for t in re.findall(r"\]\(([^)\s]+)\)", index)}
     # a page is listed when the index links it, or the README of its own folder (raw outputs)
@@ -84,8 +92,7 @@ def test_docs_links_resolve_the_index_lists_every_page_and_readme_fits_a_page():
                 and os.path.join(os.path.dirname(p), "README.md") not in linked]
     assert unlisted == [] and os.path.join(HERE, "docs", "bench") in linked
     assert not [n for n in os.listdir(os.path.join(HERE, "docs")) if re.match(r"(bench|profile)_", n)]
-    with open(os.path.join(HERE, "README.md"), encoding="utf-8") as f:
-        readme = f.read()
+    readme = project_text("README.md")
     assert len(readme.splitlines()) <= 150 and len(readme.split()) <= 1500
 
 
@@ -115,8 +122,7 @@ def test_source_reads_as_declared_and_help_comes_from_the_config(capsys):
                                       if n.endswith(".py") and not n.startswith("test_") and n != "__init__.py"}}
     src = {}
     for name, kind in names.items():
-        with open(os.path.join(HERE, name), encoding="utf-8") as f:
-            src[name] = f.read()
+        src[name] = project_text(name)
         assert [i + 1 for i, line in enumerate(src[name].splitlines()) if len(line) > 100] == [], name
         imports = re.search(r"^\s*(import scgrpo|from scgrpo)", src[name], re.M)
         if kind == "companion":
@@ -156,17 +162,14 @@ def test_the_fork_variants_readme_shows_is_the_file_the_suite_runs():
     """variants/README.md's 'Checking a fork' shows weight_floor.py's code and its test as they are
     (each python block appears in its file, verbatim); the fork is at most 40 lines of code, the
     count README gives."""
-    with open(os.path.join(HERE, "variants", "README.md"), encoding="utf-8") as f:
-        blocks = re.findall(r"```python\n(.*?)```", f.read().split("## Checking a fork")[1], re.S)
+    checking = project_text("variants", "README.md").split("## Checking a fork")[1]
+    blocks = re.findall(r"```python\n(.*?)```", checking, re.S)
     assert len(blocks) == 2
     for block, name in zip(blocks, ("weight_floor.py", "test_weight_floor.py")):
-        with open(os.path.join(HERE, "variants", name), encoding="utf-8") as f:
-            src = f.read()
+        src = project_text("variants", name)
         assert block in src, name
-    with open(os.path.join(HERE, "variants", "weight_floor.py"), encoding="utf-8") as f:
-        n = code_lines(f.read())
-    with open(os.path.join(HERE, "README.md"), encoding="utf-8") as f:
-        assert n <= 40 and f"({n} lines of code)" in " ".join(f.read().split())
+    n = code_lines(project_text("variants", "weight_floor.py"))
+    assert n <= 40 and f"({n} lines of code)" in " ".join(project_text("README.md").split())
 
 
 def test_readmes_test_command_is_what_ci_runs(request):
@@ -174,12 +177,11 @@ def test_readmes_test_command_is_what_ci_runs(request):
     which CI runs in a fresh virtual environment, and the number of tests it (and the status
     line) says is the number pytest collects (this session's, when it holds every test file
     unfiltered; else a collection of its own)."""
-    with open(os.path.join(HERE, "README.md"), encoding="utf-8") as f:
-        readme = f.read()
-    block = re.search(r"```bash\n(.*?)```", readme, re.S)[1].splitlines()
+    readme = project_text("README.md")
+    block = bash_blocks(readme)[0].splitlines()
     command, said = next(line for line in block if "tools/test.sh" in line).split("#")
-    with open(os.path.join(HERE, ".ci", "run"), encoding="utf-8") as f:
-        assert f.read().strip().splitlines()[-1] == command.strip() == "bash tools/test.sh"
+    ci_command = project_text(".ci", "run").strip().splitlines()[-1]
+    assert ci_command == command.strip() == "bash tools/test.sh"
     files = {"test_scgrpo.py", *glob.glob("tests/test_*.py", root_dir=HERE),
              *glob.glob("variants/test_*.py", root_dir=HERE)}
     items = request.session.items
@@ -197,12 +199,10 @@ def test_readmes_quick_start_numbers_are_its_logs():
     """README's quick start line and the sentence under it say what docs/quickstart.log recorded:
     the same command (the log's first line), its wall time (`time`'s real line) and the greedy
     accuracy of its first and last evaluations."""
-    with open(os.path.join(HERE, "README.md"), encoding="utf-8") as f:
-        readme = f.read()
-    block = re.search(r"```bash\n(.*?)```", readme, re.S)[1].splitlines()
+    readme = project_text("README.md")
+    block = bash_blocks(readme)[0].splitlines()
     command, said = next(line for line in block if "python scgrpo.py" in line).split("#")
-    with open(os.path.join(HERE, "docs", "quickstart.log"), encoding="utf-8") as f:
-        log = f.read()
+    log = project_text("docs", "quickstart.log")
     assert log.splitlines()[0].split("#")[0].strip() == "$ time " + command.split("&&")[-1].strip()
     minutes, seconds = re.search(r"^real\s+(\d+)m([\d.]+)s$", log, re.M).groups()
     assert f"{minutes} min {round(float(seconds))} s on 2 CPU cores" in said
@@ -215,12 +215,8 @@ def test_readmes_commands_name_programs_files_and_flags_that_exist():
     each --flag after it is in that program's --help, every `-r FILE` is a file, and each pinned
     package is pinned alike in tools/test.sh or requirements.txt. Whether they run as shown is
     checked by running them (the quick start's log; for the others, the issues' notes)."""
-    with open(os.path.join(HERE, "README.md"), encoding="utf-8") as f:
-        blocks = re.findall(r"```bash\n(.*?)```", f.read(), re.S)
-    pins = ""
-    for name in ("tools/test.sh", "requirements.txt"):
-        with open(os.path.join(HERE, name), encoding="utf-8") as f:
-            pins += f.read()
+    blocks = bash_blocks(project_text("README.md"))
+    pins = project_text("tools", "test.sh") + project_text("requirements.txt")
     flags = {}
     lines = [line.split("#")[0] for block in blocks for line in block.splitlines()]
     for command in (c for line in lines for c in line.split("&&")):
